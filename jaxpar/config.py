@@ -1,0 +1,431 @@
+"""Run configuration: frozen, typed dataclasses, YAML presets, dotted overrides, validation.
+
+Everything a user can get wrong in a config is caught here, before JAX compiles anything, and
+reported as one sentence that names the value, the rule and a fix (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import types
+import typing
+from typing import Any, Literal, Sequence
+
+import yaml
+
+
+class JaxparError(Exception):
+    """A mistake the user can fix (config, mesh, data, checkpoint); the CLI exits 2 on it."""
+
+
+class ConfigError(JaxparError, ValueError):
+    """An invalid configuration value, key or file."""
+
+
+# Values that later work implements. They are accepted by the parser and refused by `validate`
+# with a "not supported yet" error, never silently ignored.
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+REMAT_POLICIES = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    arch: Literal["llama", "gpt2"] = "llama"
+    """Architecture: `llama` (RMSNorm, RoPE, SwiGLU, GQA, untied) or `gpt2` (LayerNorm, learned positions, GELU, biases, tied)."""
+    n_layers: int = 4
+    """Number of transformer blocks (stacked on the `layers` dim and scanned)."""
+    d_model: int = 128
+    """Width of the residual stream (`embed`)."""
+    n_heads: int = 4
+    """Number of query heads; d_model must be divisible by it."""
+    n_kv_heads: int | None = None
+    """Number of key/value heads (grouped-query attention); null means n_heads. Must divide n_heads."""
+    d_ff: int = 512
+    """Hidden width of the MLP (`mlp`)."""
+    vocab_size: int = 256
+    """Vocabulary size; every token id must be below it."""
+    seq_len: int = 128
+    """Tokens per training sequence (the context length)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of matmuls and activations; the loss is always computed in float32."""
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Storage dtype of parameters and optimizer state (float32 master weights recommended)."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm / LayerNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (llama only)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initializer of weight matrices."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1
+    """Size of the `data` axis (data parallelism / ZeRO); -1 takes all remaining devices."""
+    stage: int = 1
+    """Size of the `stage` axis (pipeline parallelism); -1 takes all remaining devices."""
+    model: int = 1
+    """Size of the `model` axis (tensor / sequence parallelism); -1 takes all remaining devices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    zero: int = 0
+    """ZeRO stage over `data`: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)."""
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    """Pipeline schedule, used when mesh.stage > 1."""
+    microbatches: int = 1
+    """Microbatches per step (gradient accumulation, or pipeline microbatches)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline device (interleaved schedule)."""
+    sequence_parallel: bool = False
+    """Shard norms and residual activations along `seq` over `model` (Megatron sequence parallelism)."""
+    remat: Literal["none", "full", "dots"] = "none"
+    """Rematerialization of each block: none, full (recompute everything), dots (save matmul outputs)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    """Number of optimizer steps."""
+    global_batch: int = 16
+    """Sequences per optimizer step, across all devices."""
+    lr: float = 3e-3
+    """Peak learning rate (after warmup; cosine-decayed to lr * min_lr_ratio)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    warmup_steps: int = 30
+    """Linear warmup steps from 0 to the peak learning rate."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to weight matrices and embeddings only (not norms or biases)."""
+    b1: float = 0.9
+    """Adam beta1."""
+    b2: float = 0.95
+    """Adam beta2."""
+    grad_clip: float = 1.0
+    """Global-norm gradient clipping threshold; 0 disables clipping."""
+    seed: int = 0
+    """Seed of parameter initialization and of the data order."""
+    run_dir: str = "runs/default"
+    """Directory for config.yaml and metrics.jsonl."""
+    log_every: int = 10
+    """Log metrics every this many steps (and at the last step)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps; 0 disables checkpoints."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"
+    """`synthetic` (a seeded Markov language) or the path of a flat binary token file (`.bin`)."""
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of a token file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    cpu_devices: int | None = None
+    """Simulate this many devices on the CPU (set before JAX starts a backend); null leaves JAX's default."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **sections: Any) -> "Config":
+        """`cfg.replace(train={"steps": 3})`: a copy with some fields of some sections changed."""
+        return from_dict(_merge(self.to_dict(), sections))
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-3` (an exponent without a dot) as a string; researchers write lr that way."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown_key(key: str, valid: Sequence[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key.split(".")[-1], valid, n=1)
+    hint = f"did you mean `{close[0]}`?" if close else f"valid keys are: {', '.join(valid)}."
+    return ConfigError(f"unknown config key `{key}` in {where}; {hint}")
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            type(None): "null"}.get(tp, str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Return `value` as type `tp` or raise a ConfigError naming the key, the value and the type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                pass
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # `run_dir: 2024` means the directory named 2024
+    raise ConfigError(
+        f"config key `{key}` got {value!r}, but it must be {_describe(tp)}; "
+        f"set it to a valid value, e.g. `--set {key}=...`.")
+
+
+def from_dict(raw: dict[str, Any], where: str = "the config") -> Config:
+    """Build a Config from nested plain values (as in YAML), checking every key and type."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping of sections (model, mesh, ...), got {type(raw).__name__}; "
+                          "write it as YAML sections like `model: {d_model: 128}`.")
+    sections = _field_types(Config)
+    kwargs = {}
+    for name, section in raw.items():
+        if name not in sections:
+            raise _unknown_key(name, list(sections), where)
+        section = {} if section is None else section  # a section whose keys are all commented out
+        if not isinstance(section, dict):
+            raise ConfigError(f"config section `{name}` must be a mapping of keys, got {section!r}; "
+                              f"write it as `{name}: {{key: value}}`.")
+        fields = _field_types(sections[name])
+        values = {}
+        for key, value in section.items():
+            if key not in fields:
+                raise _unknown_key(f"{name}.{key}", list(fields), where)
+            values[key] = _coerce(f"{name}.{key}", value, fields[key])
+        kwargs[name] = sections[name](**values)
+    return Config(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`"model.d_model=256"` -> (["model", "d_model"], 256); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} has no `=`; write it as `--set section.key=value`.")
+    key, _, value = text.partition("=")
+    path = key.strip().split(".")
+    if len(path) != 2 or not all(path):
+        raise ConfigError(f"override key {key!r} must be `section.key` (e.g. `model.d_model`); "
+                          "write it as `--set section.key=value`.")
+    try:
+        parsed = _yaml(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return path, parsed
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Load a YAML config (or the bundled defaults when `path` is None) and apply `key=value` overrides.
+
+    The result is fully validated except for what needs the devices (mesh sizes), which
+    `jaxpar.mesh.make_mesh` checks.
+    """
+    raw: dict[str, Any] = {}
+    where = "the default config"
+    if path is not None:
+        where = str(path)
+        if not os.path.isfile(path):
+            what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+            raise ConfigError(f"config file {str(path)!r} {what}; pass the path of a YAML file, "
+                              "e.g. `--config configs/tiny_llama.yaml`.")
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = _yaml(f.read()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML ({getattr(e, 'problem', e)}"
+                              f"{f' at line {mark.line + 1}' if mark else ''}); fix the syntax.") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {str(path)!r} cannot be read ({e.__class__.__name__}: {e}); "
+                              "pass a readable UTF-8 YAML file.") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(path)!r} must be a mapping of sections (model, mesh, ...), "
+                              f"got a {type(raw).__name__}; write it as YAML sections like `model: {{d_model: 128}}`.")
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        if raw.get(section) is None:
+            raw[section] = {}
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"config section `{section}` in {where} is not a mapping; fix the file.")
+        raw[section][key] = value
+    cfg = from_dict(raw, where)
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Check every rule that does not need the devices; raise one ConfigError for the first broken one."""
+    m, mesh, par, tr = cfg.model, cfg.mesh, cfg.parallel, cfg.train
+    for key in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "seq_len"):
+        _require(getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} must be positive; set it to a positive integer.")
+    _require(m.kv_heads > 0, f"model.n_kv_heads = {m.n_kv_heads} must be positive; set it to a divisor of "
+                             f"n_heads, or null for n_heads.")
+    _require(m.d_model % m.n_heads == 0,
+             f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}; "
+             f"choose n_heads among the divisors of d_model (e.g. {_nearest_divisor(m.d_model, m.n_heads)}).")
+    _require(m.n_heads % m.kv_heads == 0,
+             f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.kv_heads} "
+             f"(each kv head serves a whole group of query heads); "
+             f"choose n_kv_heads among the divisors of n_heads (e.g. {_nearest_divisor(m.n_heads, m.kv_heads)}).")
+    if m.arch == "llama":
+        _require(m.head_dim % 2 == 0, f"head_dim = d_model / n_heads = {m.head_dim} must be even for RoPE; "
+                                      "change d_model or n_heads.")
+    _require(m.norm_eps > 0, f"model.norm_eps = {m.norm_eps} must be positive; set it to a small number like 1e-5.")
+    _require(m.init_std > 0, f"model.init_std = {m.init_std} must be positive; set it to e.g. 0.02.")
+
+    sizes = {"data": mesh.data, "stage": mesh.stage, "model": mesh.model}
+    for axis, size in sizes.items():
+        _require(size == -1 or size >= 1,
+                 f"mesh.{axis} = {size} is invalid; use a positive size or -1 for all remaining devices.")
+    minus = [a for a, s in sizes.items() if s == -1]
+    _require(len(minus) <= 1,
+             f"mesh axes {' and '.join('mesh.' + a for a in minus)} are both -1, but at most one axis may "
+             "take the remaining devices; give all but one of them an explicit size.")
+
+    _require(par.zero in (0, 1, 2, 3), f"parallel.zero = {par.zero} must be 0, 1, 2 or 3; pick one of those stages.")
+    _require(par.microbatches >= 1, f"parallel.microbatches = {par.microbatches} must be at least 1; set it to 1 or more.")
+    _require(par.virtual_stages >= 1, f"parallel.virtual_stages = {par.virtual_stages} must be at least 1; set it to 1 or more.")
+
+    _require(tr.steps >= 1, f"train.steps = {tr.steps} must be at least 1; set it to 1 or more.")
+    _require(tr.global_batch >= 1, f"train.global_batch = {tr.global_batch} must be at least 1; set it to a multiple of mesh.data.")
+    _require(tr.lr >= 0, f"train.lr = {tr.lr} must not be negative; set a positive learning rate like 3e-4.")
+    _require(tr.warmup_steps >= 0, f"train.warmup_steps = {tr.warmup_steps} must not be negative; set it to 0 or more.")
+    _require(0 <= tr.min_lr_ratio <= 1, f"train.min_lr_ratio = {tr.min_lr_ratio} must lie in [0, 1]; set e.g. 0.1.")
+    _require(tr.grad_clip >= 0, f"train.grad_clip = {tr.grad_clip} must not be negative; set e.g. 1.0, or 0 to disable clipping.")
+    _require(tr.weight_decay >= 0, f"train.weight_decay = {tr.weight_decay} must not be negative; set e.g. 0.1, or 0 to disable it.")
+    _require(tr.log_every >= 1, f"train.log_every = {tr.log_every} must be at least 1; set it to 1 or more.")
+    _require(tr.checkpoint_every >= 0, f"train.checkpoint_every = {tr.checkpoint_every} must not be negative; set it to 0 to disable checkpoints.")
+    _require(cfg.runtime.cpu_devices is None or cfg.runtime.cpu_devices >= 1,
+             f"runtime.cpu_devices = {cfg.runtime.cpu_devices} must be at least 1; set a device count, or null.")
+
+    # The batch's divisibility over data x microbatches is checked with the mesh (`check_batch`),
+    # once the data size is resolved against the devices: a wrong mesh is reported first.
+
+    # What later work implements: refuse rather than silently ignore.
+    _not_yet(par.zero != 0, f"parallel.zero = {par.zero}", "ZeRO sharding", "parallel.zero=0")
+    _not_yet(mesh.stage not in (1,), f"mesh.stage = {mesh.stage}", "pipeline parallelism", "mesh.stage=1")
+    _not_yet(mesh.model not in (1,), f"mesh.model = {mesh.model}", "tensor parallelism", "mesh.model=1")
+    _not_yet(par.sequence_parallel, "parallel.sequence_parallel = true", "sequence parallelism",
+             "parallel.sequence_parallel=false")
+    _not_yet(par.microbatches != 1, f"parallel.microbatches = {par.microbatches}", "gradient accumulation",
+             "parallel.microbatches=1")
+    _not_yet(par.virtual_stages != 1, f"parallel.virtual_stages = {par.virtual_stages}",
+             "interleaved pipeline schedules", "parallel.virtual_stages=1")
+    _not_yet(tr.checkpoint_every != 0, f"train.checkpoint_every = {tr.checkpoint_every}", "checkpointing",
+             "train.checkpoint_every=0")
+
+
+def _not_yet(cond: bool, what: str, feature: str, fix: str) -> None:
+    if cond:
+        raise ConfigError(f"{what} is not supported yet ({feature} is not implemented in this version of jaxpar); "
+                          f"set {fix}.")
+
+
+def _nearest_divisor(n: int, near: int) -> int:
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    return min(divisors, key=lambda k: (abs(k - near), k))
+
+
+def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    """(data, stage, model) sizes with -1 filled in; raises ConfigError if they do not cover n_devices."""
+    sizes = [mesh.data, mesh.stage, mesh.model]
+    names = ["data", "stage", "model"]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        i = sizes.index(-1)
+        if n_devices % known != 0:
+            raise ConfigError(
+                f"mesh.{names[i]} = -1 cannot fill {n_devices} devices: the other axes multiply to {known}, "
+                f"which does not divide {n_devices}; choose sizes whose product divides the device count.")
+        sizes[i] = n_devices // known
+    if math.prod(sizes) != n_devices:
+        raise ConfigError(
+            f"mesh (data, stage, model) = {tuple(sizes)} has {math.prod(sizes)} devices but {n_devices} are "
+            f"available; choose sizes whose product is {n_devices}, or set one axis to -1.")
+    return tuple(sizes)  # type: ignore[return-value]
+
+
+def check_batch(cfg: Config, data: int) -> None:
+    """The global batch must split evenly over the data axis and the microbatches."""
+    tr, par = cfg.train, cfg.parallel
+    per = data * par.microbatches
+    _require(tr.global_batch % per == 0,
+             f"train.global_batch = {tr.global_batch} is not divisible by mesh.data x parallel.microbatches "
+             f"= {data} x {par.microbatches} = {per}; set train.global_batch to a multiple of {per} "
+             f"(e.g. {max(per, tr.global_batch // per * per)}).")

@@ -1,0 +1,70 @@
+"""The ("data", "stage", "model") device mesh, and simulated CPU devices.
+
+Mode: every axis is `AxisType.Auto`. GSPMD places the collectives of tensor parallelism (a
+row-parallel matmul, a gather from a vocab-sharded embedding) from the sharding constraints of
+the rule tables; Explicit axes would refuse those ops without a per-op `out_sharding`
+(DESIGN.md decision 7). A user who brings a mesh with Explicit axes gets a clear error.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jaxpar.config import Config, ConfigError, check_batch, resolve_mesh_shape
+
+AXES = ("data", "stage", "model")
+
+
+def use_cpu_devices(n: int | None) -> None:
+    """Run on `n` simulated CPU devices (even on a GPU host). Must run before JAX starts a backend."""
+    if n is None:
+        return
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        # The backend is already up: fine if it already has what was asked for.
+        have = jax.device_count()
+        if jax.default_backend() != "cpu" or have != n:
+            raise ConfigError(
+                f"runtime.cpu_devices = {n} cannot be applied: JAX already started with {have} "
+                f"{jax.default_backend()} device(s); set it before anything touches JAX "
+                f"(or set XLA_FLAGS=--xla_force_host_platform_device_count={n}).") from None
+
+
+def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
+    """Build the mesh for `cfg` over `devices` (default: all devices), `model` innermost.
+
+    `jax.make_mesh` orders devices by the physical topology, so the innermost axis (`model`,
+    the chattiest) lands on the most tightly connected devices (one node's NVLink domain)
+    and `data`, the outermost, spans nodes.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape(cfg.mesh, len(devices))
+    check_batch(cfg, shape[0])
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def check_mesh(mesh: Mesh) -> None:
+    """Refuse a user-built mesh that jaxpar cannot run on, in one sentence."""
+    if tuple(mesh.axis_names) != AXES:
+        raise ConfigError(f"mesh axes {tuple(mesh.axis_names)} must be {AXES}; build the mesh with "
+                          "jaxpar.mesh.make_mesh(config).")
+    explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto]
+    if explicit:
+        raise ConfigError(f"mesh axes {explicit} are not AxisType.Auto, but jaxpar places collectives "
+                          "through sharding constraints on Auto axes; build the mesh with "
+                          "jaxpar.mesh.make_mesh(config) or pass axis_types=(AxisType.Auto,) * 3.")
+
+
+def describe(mesh: Mesh) -> str:
+    """One line per axis: its size and the strategy on it; then the device grid."""
+    roles = {"data": "data parallelism", "stage": "pipeline stages", "model": "tensor parallelism"}
+    lines = [f"  {a:<6} {mesh.shape[a]:>3}  ({roles[a]})" for a in AXES]
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    kind = mesh.devices.flat[0].device_kind
+    lines.append(f"  devices: {mesh.devices.size} x {kind}; ids by (data, stage, model): "
+                 + np.array2string(ids, separator=",").replace("\n", ""))
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""Transformer layers: norms, attention (GQA, RoPE), MLPs. Maths only: no mesh, no PartitionSpec.
+
+Every parameter dim carries a logical name (`nnx.Param(..., sharding_names=...)`) and every
+activation is marked with logical names through `constrain`; the rule tables in
+`jaxpar.sharding` decide what those names mean on a mesh. Shape suffixes: B batch, T seq,
+D embed, N heads, K kv_heads, H head_dim, F mlp, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.sharding import constrain
+
+
+def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str, ...], dtype, std: float | None = None,
+          fill: float = 0.0) -> nnx.Param:
+    """A parameter with logical dim `names`: normal(std) when `std` is given, else constant `fill`.
+
+    `eager_sharding=False`: placement is decided by the storage rules at `jit(init, out_shardings)`
+    time, not by Flax when the variable is created.
+    """
+    assert len(shape) == len(names), (shape, names)
+    if std is None:
+        value = jnp.full(shape, fill, dtype)
+    else:
+        value = std * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.eps = cfg.norm_eps
+        self.scale = param(None, (cfg.d_model,), ("embed",), cfg.param_dtype, fill=1.0)
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        # Statistics in float32 whatever the compute dtype: bf16 sums of squares lose the small terms.
+        x = x_BxTxD.astype(jnp.float32)
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x_BxTxD.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.eps = cfg.norm_eps
+        self.scale = param(None, (cfg.d_model,), ("embed",), cfg.param_dtype, fill=1.0)
+        self.bias = param(None, (cfg.d_model,), ("embed",), cfg.param_dtype)
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        x = x_BxTxD.astype(jnp.float32)
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(x_BxTxD.dtype)
+
+
+def norm(cfg: ModelConfig) -> nnx.Module:
+    return RMSNorm(cfg) if cfg.arch == "llama" else LayerNorm(cfg)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [T, H/2] (float32) for rotary position embeddings."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles_TxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles_TxH2), jnp.sin(angles_TxH2)
+
+
+def apply_rope(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -> jax.Array:
+    """Rotate the two halves of each head (the GPT-NeoX / Hugging Face Llama convention)."""
+    x = x_BxTxNxH.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    cos, sin = cos_TxH2[None, :, None, :], sin_TxH2[None, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxH.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal self-attention with grouped-query heads: N query heads share K = n_kv_heads kv heads."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        pd, std = cfg.param_dtype, cfg.init_std
+        # Residual-branch outputs scaled by 1/sqrt(2L) so the residual stream's variance stays O(1) (GPT-2).
+        out_std = std / math.sqrt(2 * cfg.n_layers)
+        self.arch, self.dtype = cfg.arch, cfg.dtype
+        self.wq = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), pd, std)
+        self.wk = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd, std)
+        self.wv = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd, std)
+        self.wo = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), pd, out_std)
+        if cfg.arch == "gpt2":
+            self.bq = param(None, (N, H), ("heads", "head_dim"), pd)
+            self.bk = param(None, (K, H), ("kv_heads", "head_dim"), pd)
+            self.bv = param(None, (K, H), ("kv_heads", "head_dim"), pd)
+            self.bo = param(None, (D,), ("embed",), pd)
+
+    def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+        dt = self.dtype
+        q_BxTxNxH = jnp.einsum("btd,dnh->btnh", x_BxTxD, self.wq[...].astype(dt))
+        k_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.wk[...].astype(dt))
+        v_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.wv[...].astype(dt))
+        if self.arch == "gpt2":
+            q_BxTxNxH += self.bq[...].astype(dt)
+            k_BxTxKxH += self.bk[...].astype(dt)
+            v_BxTxKxH += self.bv[...].astype(dt)
+        if rope is not None:
+            q_BxTxNxH = apply_rope(q_BxTxNxH, *rope)
+            k_BxTxKxH = apply_rope(k_BxTxKxH, *rope)
+        q_BxTxNxH = constrain(q_BxTxNxH, ("batch", "seq", "heads", "head_dim"))
+        k_BxTxKxH = constrain(k_BxTxKxH, ("batch", "seq", "kv_heads", "head_dim"))
+        v_BxTxKxH = constrain(v_BxTxKxH, ("batch", "seq", "kv_heads", "head_dim"))
+        # jax.nn.dot_product_attention handles GQA (N a multiple of K) and picks cuDNN's fused
+        # kernel on GPU when shapes and dtypes allow; XLA's reference path elsewhere.
+        o_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True)
+        o_BxTxNxH = constrain(o_BxTxNxH, ("batch", "seq", "heads", "head_dim"))
+        out_BxTxD = jnp.einsum("btnh,nhd->btd", o_BxTxNxH, self.wo[...].astype(dt))
+        if self.arch == "gpt2":
+            out_BxTxD += self.bo[...].astype(dt)
+        return out_BxTxD
+
+
+class MLP(nnx.Module):
+    """SwiGLU (llama: down(silu(gate x) * up x)) or GELU (gpt2: down(gelu(up x + b)) + b)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, F, pd, std = cfg.d_model, cfg.d_ff, cfg.param_dtype, cfg.init_std
+        self.arch, self.dtype = cfg.arch, cfg.dtype
+        self.w_up = param(rngs, (D, F), ("embed", "mlp"), pd, std)
+        self.w_down = param(rngs, (F, D), ("mlp", "embed"), pd, std / math.sqrt(2 * cfg.n_layers))
+        if cfg.arch == "llama":
+            self.w_gate = param(rngs, (D, F), ("embed", "mlp"), pd, std)
+        else:
+            self.b_up = param(None, (F,), ("mlp",), pd)
+            self.b_down = param(None, (D,), ("embed",), pd)
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        dt = self.dtype
+        h_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, self.w_up[...].astype(dt))
+        if self.arch == "llama":
+            g_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, self.w_gate[...].astype(dt))
+            h_BxTxF = jax.nn.silu(g_BxTxF) * h_BxTxF
+        else:
+            h_BxTxF = jax.nn.gelu(h_BxTxF + self.b_up[...].astype(dt), approximate=True)
+        h_BxTxF = constrain(h_BxTxF, ("batch", "seq", "mlp"))
+        out_BxTxD = jnp.einsum("btf,fd->btd", h_BxTxF, self.w_down[...].astype(dt))
+        if self.arch == "gpt2":
+            out_BxTxD += self.b_down[...].astype(dt)
+        return out_BxTxD
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = norm(cfg)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = norm(cfg)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+        x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), rope)
+        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
+        x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
+        return constrain(x_BxTxD, ("batch", "seq", "embed"))

@@ -1,0 +1,141 @@
+"""The decoder-only transformer (llama / gpt2) with stacked, scanned blocks, and its functional API.
+
+Block parameters carry a leading `layers` dim and the forward pass is one `lax.scan` over it,
+so compile time does not grow with depth. Training code sees parameters as a plain nested
+dict of arrays (`init_params`, `apply`), with a matching tree of logical names (`param_names`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.model.layers import Block, norm, param, rope_tables
+from jaxpar.sharding import constrain, use_params
+
+Params = dict[str, Any]
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a block; recompute it all in the backward pass
+    # Save the outputs of weight matmuls (no batch dims), recompute the cheap elementwise work
+    # and the attention scores.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D, V, pd, std = cfg.d_model, cfg.vocab_size, cfg.param_dtype, cfg.init_std
+        self.embed = param(rngs, (V, D), ("vocab", "embed"), pd, std)
+        if cfg.arch == "gpt2":
+            self.pos_embed = param(rngs, (cfg.seq_len, D), ("pos", "embed"), pd, std / 2)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs=rngs)
+
+        self.blocks = stacked_blocks(rngs)
+        self.final_norm = norm(cfg)
+        if cfg.arch == "llama":  # gpt2 ties the output projection to the embedding
+            self.lm_head = param(rngs, (D, V), ("embed", "vocab"), pd, std)
+
+    def __call__(self, tokens_BxT: jax.Array, *, remat: str = "none") -> jax.Array:
+        """Next-token logits [B, T, V] in float32 for int tokens [B, T]."""
+        return self.head(self.backbone(self.embed_tokens(tokens_BxT), remat=remat))
+
+    def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
+        """Token (and, for gpt2, position) embeddings [B, T, D] in the compute dtype."""
+        cfg = self.cfg
+        x_BxTxD = jnp.take(self.embed[...].astype(cfg.dtype), tokens_BxT, axis=0)
+        if cfg.arch == "gpt2":
+            x_BxTxD = x_BxTxD + self.pos_embed[:tokens_BxT.shape[1]].astype(cfg.dtype)[None]
+        return constrain(x_BxTxD, ("batch", "seq", "embed"))
+
+    def backbone(self, x_BxTxD: jax.Array, *, remat: str = "none") -> jax.Array:
+        """All blocks, scanned over `layers`."""
+        cfg = self.cfg
+        rope = rope_tables(x_BxTxD.shape[1], cfg.head_dim, cfg.rope_theta) if cfg.arch == "llama" else None
+        return run_blocks(self.blocks, x_BxTxD, rope, remat)
+
+    def head(self, x_BxTxD: jax.Array) -> jax.Array:
+        """Final norm and output projection: logits [B, T, V] in float32."""
+        cfg = self.cfg
+        x_BxTxD = self.final_norm(x_BxTxD)
+        w_DxV = self.lm_head[...] if cfg.arch == "llama" else self.embed[...].T
+        # Logits accumulate and come out in float32: the softmax of the loss needs the precision.
+        logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, w_DxV.astype(cfg.dtype),
+                                  preferred_element_type=jnp.float32)
+        return constrain(logits_BxTxV, ("batch", "seq", "vocab"))
+
+
+def run_blocks(blocks: Block, x_BxTxD: jax.Array, rope, remat: str) -> jax.Array:
+    """Scan `x` through stacked `blocks` (params with a leading `layers` dim)."""
+    graphdef, state = nnx.split(blocks)
+
+    def body(x, block_state):
+        # This layer's parameters enter here: under data parallelism their gradients are reduced
+        # at this point of the backward pass, one layer at a time, overlapping the next layer.
+        return nnx.merge(graphdef, use_params(block_state))(x, rope), None
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, state)
+    return x_BxTxD
+
+
+# --------------------------------------------------------------------------------------------
+# Functional API over plain parameter dicts
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract(cfg: ModelConfig):
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """Fresh parameters as a nested dict of arrays; depends only on (cfg, key), never on the mesh."""
+    return nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=key))))
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The parameter tree as ShapeDtypeStructs (no allocation)."""
+    return nnx.to_pure_dict(_abstract(cfg)[1])
+
+
+def param_names(cfg: ModelConfig) -> Params:
+    """The parameter tree with a tuple of logical dim names at each leaf, e.g. ("layers", "embed", "mlp")."""
+    specs = nnx.get_partition_spec(_abstract(cfg)[1])
+    return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_value()), specs,
+                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def bind(cfg: ModelConfig, params: Params) -> Transformer:
+    """The Transformer module holding `params` (arrays or tracers), for calling its parts."""
+    graphdef, state = _abstract(cfg)
+    state = jax.tree.map(lambda x: x, state)  # a fresh copy: the cached abstract state stays untouched
+    # Block parameters are marked layer by layer inside the scan (`run_blocks`), the rest here.
+    params = {k: v if k == "blocks" else use_params(v) for k, v in params.items()}
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def apply(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, *, remat: str = "none") -> jax.Array:
+    """Logits [B, T, V] (float32) of the model with `params` on `tokens_BxT`."""
+    return bind(cfg, params)(tokens_BxT, remat=remat)
+
+
+def count_params(cfg: ModelConfig, *, embeddings: bool = True) -> int:
+    """Parameter count Ψ (optionally without the token / position embeddings, for FLOP counts)."""
+    shapes = param_shapes(cfg)
+    total = sum(x.size for x in jax.tree.leaves(shapes))
+    if not embeddings:
+        total -= shapes["embed"].size + (shapes["pos_embed"].size if "pos_embed" in shapes else 0)
+    return total

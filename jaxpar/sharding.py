@@ -1,0 +1,139 @@
+"""Logical dim names -> mesh axes: the parameter-storage rules and the activation-compute rules.
+
+Model code names dims (`batch`, `embed`, `heads`, ...) and never a mesh axis. Two tables map
+those names onto axes (DESIGN.md decision 2): *storage* rules say how parameters and optimizer
+state live, *compute* rules say how activations flow. A name missing from a table is an error,
+never a silent replication. Outside `activation_rules(...)` every activation mark is a no-op,
+so the model runs unchanged on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar.config import Config
+
+# Every logical dim name the model may use.
+LOGICAL_NAMES = ("batch", "seq", "pos", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+
+Axis = str | tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """A table `logical name -> mesh axis (or None)`, e.g. `Rules({"batch": "data", ...})`."""
+
+    table: Mapping[str, Axis]
+
+    def __post_init__(self):
+        missing = set(LOGICAL_NAMES) - set(self.table)
+        if missing:
+            raise ValueError(f"rule table lacks logical names {sorted(missing)}")
+
+    def spec(self, names: Sequence[str | None]) -> P:
+        """PartitionSpec for a value whose dims are named `names` (None = an unnamed, unsharded dim)."""
+        axes = []
+        for name in names:
+            if name is None:
+                axes.append(None)
+            elif name not in self.table:
+                raise KeyError(f"unknown logical dim name {name!r}; known names: {', '.join(LOGICAL_NAMES)}")
+            else:
+                axes.append(self.table[name])
+        used = [a for ax in axes if ax is not None for a in ((ax,) if isinstance(ax, str) else ax)]
+        if len(used) != len(set(used)):
+            raise ValueError(f"dims {tuple(names)} would use a mesh axis twice: {tuple(axes)}")
+        return P(*axes)
+
+    def without(self, axes: Sequence[str]) -> "Rules":
+        """These rules with `axes` dropped: for code inside a shard_map where those axes are manual."""
+        def drop(ax: Axis) -> Axis:
+            if ax is None:
+                return None
+            kept = tuple(a for a in ((ax,) if isinstance(ax, str) else ax) if a not in axes)
+            return None if not kept else kept[0] if len(kept) == 1 else kept
+        return Rules({name: drop(ax) for name, ax in self.table.items()})
+
+
+def storage_rules(cfg: Config) -> Rules:
+    """Where parameters, gradients and optimizer state live.
+
+    Tensor parallelism splits heads, MLP width and vocabulary over `model`; the pipeline cuts
+    `layers` over `stage` (whole layers per stage). Everything else is replicated; data
+    parallelism (ZeRO 0) keeps a full copy on every data rank.
+    """
+    del cfg  # ZeRO-3 will place `embed` on `data` here.
+    return Rules({
+        "batch": None, "seq": None, "pos": None, "embed": None, "head_dim": None,
+        "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model",
+        "layers": "stage",
+    })
+
+
+def compute_rules(cfg: Config) -> Rules:
+    """How activations flow: the batch split over `data`, heads / MLP width / vocab over `model`."""
+    del cfg  # sequence parallelism will put `seq` on `model` in its regions here.
+    return Rules({
+        "batch": "data", "seq": None, "pos": None, "embed": None, "head_dim": None,
+        "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model",
+        "layers": None,
+    })
+
+
+def named_shardings(mesh: Mesh, rules: Rules, names_tree: Any) -> Any:
+    """Map a pytree of logical-name tuples to a pytree of NamedShardings."""
+    return jax.tree.map(lambda names: NamedSharding(mesh, rules.spec(names)), names_tree,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+# --------------------------------------------------------------------------------------------
+# Marks the model makes: activations (`constrain`) and parameters about to be used (`use_params`)
+
+
+class _Active(NamedTuple):
+    mesh: Mesh
+    rules: Rules
+    param_fn: Callable[[jax.Array], jax.Array] | None
+
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("jaxpar_rules", default=None)
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, rules: Rules, *, param_fn: Callable[[jax.Array], jax.Array] | None = None):
+    """Within this context (at trace time) `constrain` pins activations to `rules` on `mesh`, and
+    `use_params` passes parameters through `param_fn` (e.g. a data-axis `pcast`, whose transpose
+    reduces each gradient exactly where its parameter entered the computation)."""
+    token = _ACTIVE.set(_Active(mesh, rules, param_fn))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Mark activation `x` (dims named `names`) with the active compute rules; a no-op without rules."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    if x.ndim != len(names):
+        raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
+    # Inside a shard_map the context mesh is abstract, with the manual axes marked as such; a
+    # constraint must be expressed on that mesh (and the rules must not name the manual axes).
+    mesh = jax.sharding.get_abstract_mesh()
+    mesh = active.mesh if mesh.empty else mesh
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, active.rules.spec(names)))
+
+
+def use_params(tree: Any) -> Any:
+    """Mark a tree of parameters as about to be used by the computation that follows."""
+    active = _ACTIVE.get()
+    if active is None or active.param_fn is None:
+        return tree
+    return jax.tree.map(active.param_fn, tree)

@@ -1,0 +1,82 @@
+"""`python -m jaxpar.train [--config FILE] [--set key=value]...`: train and show progress."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from jaxpar.config import JaxparError, load_config
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jaxpar.train", description=__doc__)
+    parser.add_argument("--config", help="YAML config file (default: the bundled defaults)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set model.d_model=256 (repeatable)")
+    return parser.parse_args(argv)
+
+
+def summary(cfg, mesh) -> str:
+    from jaxpar import model
+    from jaxpar.mesh import describe
+
+    m, tr = cfg.model, cfg.train
+    n = model.count_params(m)
+    return "\n".join([
+        f"model   {m.arch}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads ({m.kv_heads} kv), "
+        f"d_ff {m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}; {n:,} parameters; compute {m.dtype}, "
+        f"params {m.param_dtype}",
+        f"train   {tr.steps} steps x {tr.global_batch} sequences ({tr.global_batch * m.seq_len:,} tokens/step), "
+        f"lr {tr.lr:g}, data {cfg.data.source!r}, run_dir {tr.run_dir}",
+        f"parallel zero {cfg.parallel.zero}, remat {cfg.parallel.remat}, microbatches {cfg.parallel.microbatches}",
+        "mesh\n" + describe(mesh),
+    ])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    console = Console(stderr=False)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from jaxpar.mesh import make_mesh, use_cpu_devices
+
+        use_cpu_devices(cfg.runtime.cpu_devices)  # before anything starts a JAX backend
+        import jax
+
+        from jaxpar.train.data import make_source
+        from jaxpar.train.loop import check_run_dir, train
+
+        # User errors surface before the summary and before anything is written.
+        check_run_dir(cfg)
+        make_source(cfg)
+        mesh = make_mesh(cfg)
+        is_main = jax.process_index() == 0
+        if is_main:
+            console.print(summary(cfg, mesh), highlight=False, soft_wrap=True)
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                            TimeRemainingColumn(), console=console, disable=not is_main)
+        with progress:
+            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-")
+
+            def show(rec: dict) -> None:
+                progress.update(task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
+                                tps=f"{rec['tokens_per_s']:,.0f}")
+
+            records = train(cfg, mesh=mesh, callback=show)
+        if is_main:
+            console.print(f"done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; "
+                          f"metrics in {cfg.train.run_dir}/metrics.jsonl", highlight=False, soft_wrap=True)
+        return 0
+    except JaxparError as e:
+        print(f"error: {e}", file=sys.stderr)  # one line, never wrapped: scripts grep for it
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
