@@ -49,6 +49,9 @@ class ModelConfig:
     """Hidden width of the MLP (`mlp`)."""
     vocab_size: int = 256
     """Vocabulary size; every token id must be below it."""
+    vocab_multiple: int = 64
+    """Embedding and output rows are padded to a multiple of this (padded logits never predicted);
+    fixed by the config, not the mesh, so that every mesh holds the same parameters."""
     seq_len: int = 128
     """Tokens per training sequence (the context length)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -70,6 +73,10 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
@@ -85,6 +92,8 @@ class MeshConfig:
 class ParallelConfig:
     zero: int = 0
     """ZeRO stage over `data`: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)."""
+    zero_min_elements: int = 16384
+    """ZeRO leaves with fewer elements than this (norm scales, biases) stay replicated over `data`."""
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     """Pipeline schedule, used when mesh.stage > 1."""
     microbatches: int = 1
@@ -332,7 +341,7 @@ def _require(ok: bool, message: str) -> None:
 def validate(cfg: Config) -> None:
     """Check every rule that does not need the devices; raise one ConfigError for the first broken one."""
     m, mesh, par, tr = cfg.model, cfg.mesh, cfg.parallel, cfg.train
-    for key in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "seq_len"):
+    for key in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "seq_len", "vocab_multiple"):
         _require(getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} must be positive; set it to a positive integer.")
     _require(m.kv_heads > 0, f"model.n_kv_heads = {m.n_kv_heads} must be positive; set it to a divisor of "
                              f"n_heads, or null for n_heads.")
@@ -359,6 +368,8 @@ def validate(cfg: Config) -> None:
              "take the remaining devices; give all but one of them an explicit size.")
 
     _require(par.zero in (0, 1, 2, 3), f"parallel.zero = {par.zero} must be 0, 1, 2 or 3; pick one of those stages.")
+    _require(par.zero_min_elements >= 0, f"parallel.zero_min_elements = {par.zero_min_elements} must not be "
+                                         "negative; set it to 0 to shard every leaf that can be sharded.")
     _require(par.microbatches >= 1, f"parallel.microbatches = {par.microbatches} must be at least 1; set it to 1 or more.")
     _require(par.virtual_stages >= 1, f"parallel.virtual_stages = {par.virtual_stages} must be at least 1; set it to 1 or more.")
 
@@ -378,13 +389,7 @@ def validate(cfg: Config) -> None:
     # once the data size is resolved against the devices: a wrong mesh is reported first.
 
     # What later work implements: refuse rather than silently ignore.
-    _not_yet(par.zero != 0, f"parallel.zero = {par.zero}", "ZeRO sharding", "parallel.zero=0")
     _not_yet(mesh.stage not in (1,), f"mesh.stage = {mesh.stage}", "pipeline parallelism", "mesh.stage=1")
-    _not_yet(mesh.model not in (1,), f"mesh.model = {mesh.model}", "tensor parallelism", "mesh.model=1")
-    _not_yet(par.sequence_parallel, "parallel.sequence_parallel = true", "sequence parallelism",
-             "parallel.sequence_parallel=false")
-    _not_yet(par.microbatches != 1, f"parallel.microbatches = {par.microbatches}", "gradient accumulation",
-             "parallel.microbatches=1")
     _not_yet(par.virtual_stages != 1, f"parallel.virtual_stages = {par.virtual_stages}",
              "interleaved pipeline schedules", "parallel.virtual_stages=1")
     _not_yet(tr.checkpoint_every != 0, f"train.checkpoint_every = {tr.checkpoint_every}", "checkpointing",
@@ -419,6 +424,32 @@ def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int]
             f"mesh (data, stage, model) = {tuple(sizes)} has {math.prod(sizes)} devices but {n_devices} are "
             f"available; choose sizes whose product is {n_devices}, or set one axis to -1.")
     return tuple(sizes)  # type: ignore[return-value]
+
+
+def check_model_axis(cfg: Config, t: int) -> None:
+    """What tensor (and sequence) parallelism over a `model` axis of size t requires."""
+    m = cfg.model
+    if t == 1:
+        return
+    _require(m.n_heads % t == 0,
+             f"model.n_heads = {m.n_heads} is not divisible by mesh.model = {t} (tensor parallelism splits "
+             f"attention by heads); choose a mesh.model that divides {m.n_heads}, or change model.n_heads.")
+    _require(m.kv_heads % t == 0 or t % m.kv_heads == 0,
+             f"model.n_kv_heads = {m.kv_heads} and mesh.model = {t} must divide one another (kv heads are split "
+             f"over model ranks, or each replicated on t / n_kv_heads of them); choose n_kv_heads = "
+             f"{_nearest_divisor(m.n_heads, t)} or a mesh.model that divides or is divided by {m.kv_heads}.")
+    _require(m.d_ff % t == 0,
+             f"model.d_ff = {m.d_ff} is not divisible by mesh.model = {t} (tensor parallelism splits the MLP "
+             f"width); choose d_ff as a multiple of {t}, e.g. {-(-m.d_ff // t) * t}.")
+    _require(m.padded_vocab % t == 0,
+             f"the padded vocabulary model.vocab_size = {m.vocab_size} -> {m.padded_vocab} (a multiple of "
+             f"model.vocab_multiple = {m.vocab_multiple}) is not divisible by mesh.model = {t}; set "
+             f"model.vocab_multiple to a multiple of {t}.")
+    if cfg.parallel.sequence_parallel:
+        _require(m.seq_len % t == 0,
+                 f"model.seq_len = {m.seq_len} is not divisible by mesh.model = {t}, but sequence parallelism "
+                 f"splits the sequence over model ranks; choose seq_len as a multiple of {t} or turn "
+                 "parallel.sequence_parallel off.")
 
 
 def check_batch(cfg: Config, data: int) -> None:

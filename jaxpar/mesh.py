@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import Config, ConfigError, check_batch, resolve_mesh_shape
+from jaxpar.config import Config, ConfigError, check_batch, check_model_axis, resolve_mesh_shape
 
 AXES = ("data", "stage", "model")
 
@@ -43,8 +43,14 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(cfg.mesh, len(devices))
-    check_batch(cfg, shape[0])
+    check_sizes(cfg, shape)
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def check_sizes(cfg: Config, shape: tuple[int, int, int]) -> None:
+    """What the config requires of resolved (data, stage, model) sizes."""
+    check_batch(cfg, shape[0])
+    check_model_axis(cfg, shape[2])
 
 
 def check_mesh(mesh: Mesh) -> None:

@@ -15,12 +15,16 @@ import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config
 
 # Every logical dim name the model may use.
-LOGICAL_NAMES = ("batch", "seq", "pos", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+# `sp_seq` is the seq dim of activations outside the attention and MLP matmuls (norms, residual
+# adds): the regions that sequence parallelism shards over `model`.
+LOGICAL_NAMES = ("batch", "seq", "sp_seq", "pos", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
+                 "layers")
 
 Axis = str | tuple[str, ...] | None
 
@@ -61,27 +65,35 @@ class Rules:
         return Rules({name: drop(ax) for name, ax in self.table.items()})
 
 
-def storage_rules(cfg: Config) -> Rules:
-    """Where parameters, gradients and optimizer state live.
+def _kv_heads_axis(cfg: Config, mesh: Mesh) -> Axis:
+    """kv heads are split over `model` when its size divides them; otherwise (n_kv_heads < t, as
+    config validation allows only then) every model rank holds all kv heads: the kv projections
+    are replicated, each rank computes them (2·D·K·H extra FLOPs per token, small under GQA) and
+    their gradients are all-reduced over `model`."""
+    return "model" if cfg.model.kv_heads % mesh.shape["model"] == 0 else None
 
-    Tensor parallelism splits heads, MLP width and vocabulary over `model`; the pipeline cuts
-    `layers` over `stage` (whole layers per stage). Everything else is replicated; data
-    parallelism (ZeRO 0) keeps a full copy on every data rank.
+
+def storage_rules(cfg: Config, mesh: Mesh) -> Rules:
+    """Where parameters, gradients and optimizer state live (before ZeRO, `jaxpar.parallel.zero`).
+
+    Tensor parallelism splits heads, MLP width and vocabulary over `model` (Megatron: column-
+    parallel q/k/v and up/gate, row-parallel output and down projections, vocab-parallel
+    embedding and output); the pipeline cuts `layers` over `stage`. Everything else is replicated.
     """
-    del cfg  # ZeRO-3 will place `embed` on `data` here.
     return Rules({
-        "batch": None, "seq": None, "pos": None, "embed": None, "head_dim": None,
-        "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model",
+        "batch": None, "seq": None, "sp_seq": None, "pos": None, "embed": None, "head_dim": None,
+        "heads": "model", "kv_heads": _kv_heads_axis(cfg, mesh), "mlp": "model", "vocab": "model",
         "layers": "stage",
     })
 
 
-def compute_rules(cfg: Config) -> Rules:
-    """How activations flow: the batch split over `data`, heads / MLP width / vocab over `model`."""
-    del cfg  # sequence parallelism will put `seq` on `model` in its regions here.
+def compute_rules(cfg: Config, mesh: Mesh) -> Rules:
+    """How activations flow: the batch split over `data`; heads, MLP width and vocab over `model`;
+    under sequence parallelism the residual stream's seq dim (`sp_seq`) over `model` too."""
     return Rules({
-        "batch": "data", "seq": None, "pos": None, "embed": None, "head_dim": None,
-        "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model",
+        "batch": "data", "seq": None, "sp_seq": "model" if cfg.parallel.sequence_parallel else None,
+        "pos": None, "embed": None, "head_dim": None,
+        "heads": "model", "kv_heads": _kv_heads_axis(cfg, mesh), "mlp": "model", "vocab": "model",
         "layers": None,
     })
 
@@ -96,20 +108,45 @@ def named_shardings(mesh: Mesh, rules: Rules, names_tree: Any) -> Any:
 # Marks the model makes: activations (`constrain`) and parameters about to be used (`use_params`)
 
 
+# Parameters returned by `use_params` carry this name, so that rematerialization never saves them:
+# under ZeRO-3 they are all-gathered copies, gathered again in the backward pass instead.
+PARAMS_TAG = "jaxpar_params"
+
+ParamFn = Callable[[jax.Array, tuple[str, ...]], jax.Array]
+
+# Primitives that hand out parameters inside a data-parallel region: a data-axis cast (`pvary`)
+# and ZeRO-3's all-gather. Their results are cheap to recompute (or must not be held, for
+# ZeRO-3), so no remat policy of jaxpar saves them for the backward pass.
+_PARAM_PRIMITIVES = ("pvary", "pcast", "all_gather")
+
+
+def params_never_saved(policy: Callable[..., bool] | None) -> Callable[..., bool]:
+    """A remat policy like `policy` (None: save nothing) that never saves handed-out parameters.
+
+    Per layer, the backward pass re-gathers ZeRO-3 shards instead of holding every layer's
+    gathered weights from the forward pass (which would undo ZeRO-3's memory saving)."""
+    def saveable(prim, *args, **params) -> bool:
+        if prim.name in _PARAM_PRIMITIVES or (prim.name == "name" and params.get("name") == PARAMS_TAG):
+            return False
+        return policy is not None and policy(prim, *args, **params)
+    return saveable
+
+
 class _Active(NamedTuple):
     mesh: Mesh
     rules: Rules
-    param_fn: Callable[[jax.Array], jax.Array] | None
+    param_fn: ParamFn | None
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("jaxpar_rules", default=None)
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh, rules: Rules, *, param_fn: Callable[[jax.Array], jax.Array] | None = None):
+def activation_rules(mesh: Mesh, rules: Rules, *, param_fn: ParamFn | None = None):
     """Within this context (at trace time) `constrain` pins activations to `rules` on `mesh`, and
-    `use_params` passes parameters through `param_fn` (e.g. a data-axis `pcast`, whose transpose
-    reduces each gradient exactly where its parameter entered the computation)."""
+    `use_params` passes each parameter and its logical names through `param_fn` (e.g. a data-axis
+    `pcast`, whose transpose reduces the gradient exactly where its parameter entered the
+    computation, or a ZeRO-3 all-gather, whose transpose reduce-scatters it)."""
     token = _ACTIVE.set(_Active(mesh, rules, param_fn))
     try:
         yield
@@ -131,9 +168,11 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, active.rules.spec(names)))
 
 
-def use_params(tree: Any) -> Any:
-    """Mark a tree of parameters as about to be used by the computation that follows."""
+def use_params(tree: Any, names: Any) -> Any:
+    """Mark a tree of parameters (dims named by the matching tree `names`) as about to be used."""
     active = _ACTIVE.get()
     if active is None or active.param_fn is None:
         return tree
-    return jax.tree.map(active.param_fn, tree)
+    fn = active.param_fn
+    return jax.tree.map(lambda x, n: checkpoint_name(fn(x, n), PARAMS_TAG), tree, names,
+                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x))

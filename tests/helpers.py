@@ -16,7 +16,7 @@ def single_device(cfg: Config) -> Config:
     return cfg.replace(mesh={"data": 1, "stage": 1, "model": 1})
 
 
-def run_steps(cfg: Config, devices=None) -> dict:
+def run_steps(cfg: Config, devices=None, grads: bool = True) -> dict:
     """Losses of every step, gradients at the initial parameters (first batch), final parameters.
 
     Runs on the first data x stage x model devices unless `devices` is given.
@@ -28,8 +28,8 @@ def run_steps(cfg: Config, devices=None) -> dict:
     source = make_source(cfg)
     state = program.init(jax.random.key(cfg.train.seed))
     batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(cfg.train.steps)]
-    _, grads = program.loss_and_grads(state.params, batches[0])
-    grads = jax.device_get(grads)
+    if grads:  # at the initial parameters, on the first batch
+        grads = jax.device_get(program.loss_and_grads(state.params, batches[0])[1])
     losses = []
     for batch in batches:
         state, metrics = program.step(state, batch)
@@ -37,8 +37,9 @@ def run_steps(cfg: Config, devices=None) -> dict:
     return {"losses": np.array(losses), "grads": grads, "params": jax.device_get(state.params)}
 
 
-def run_reference(cfg: Config) -> dict:
-    return run_steps(single_device(cfg), devices=jax.devices()[:1])
+def run_reference(cfg: Config, grads: bool = True) -> dict:
+    return run_steps(single_device(cfg).replace(parallel={"zero": 0, "microbatches": 1}),
+                     devices=jax.devices()[:1], grads=grads)
 
 
 def max_abs_diff(a, b) -> float:

@@ -108,7 +108,11 @@ def test_tiny_run_writes_config_and_metrics(tmp_path):
     (["model.n_heads=4", "model.n_kv_heads=3"], "n_kv_heads = 3"),
     (["model.d_model=100", "model.n_heads=3"], "d_model = 100"),
     (["train.global_batch=12"], "train.global_batch = 12"),
-    (["parallel.zero=1"], "not supported yet"),
+    (["mesh.stage=2", "mesh.data=4"], "not supported yet"),
+    (["mesh.model=8", "mesh.data=1", "model.n_heads=8", "model.d_ff=100"],
+     "model.d_ff = 100 is not divisible by mesh.model = 8"),
+    (["mesh.model=8", "mesh.data=1", "model.n_heads=4", "model.d_model=128"],
+     "model.n_heads = 4 is not divisible by mesh.model = 8"),
     (["data.source=missing.bin"], "missing.bin"),
 ])
 def test_main_returns_2_on_user_errors(tmp_path, monkeypatch, capsys, overrides, expected):

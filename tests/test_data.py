@@ -11,7 +11,7 @@ from jaxpar.train.data import SyntheticSource, TokenFileSource, batch_at, make_s
 
 def sharded_batch(cfg, step, data):
     mesh = make_mesh(cfg.replace(mesh={"data": data}), jax.devices()[:data])
-    sharding = NamedSharding(mesh, compute_rules(cfg).spec(("batch", None)))
+    sharding = NamedSharding(mesh, compute_rules(cfg, mesh).spec(("batch", None)))
     return batch_at(make_source(cfg), step, cfg.train.global_batch, sharding)
 
 

@@ -163,7 +163,10 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
-        x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), rope)
-        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
-        x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
-        return constrain(x_BxTxD, ("batch", "seq", "embed"))
+        # The residual stream and the norms live on `sp_seq` (split over `model` by sequence
+        # parallelism); each sub-layer gathers the whole sequence at its input and its row-parallel
+        # output is reduced back onto the residual (an all-reduce, or a reduce-scatter under SP).
+        h_BxTxD = constrain(self.attn_norm(x_BxTxD), ("batch", "seq", "embed"))
+        x_BxTxD = constrain(x_BxTxD + self.attn(h_BxTxD, rope), ("batch", "sp_seq", "embed"))
+        h_BxTxD = constrain(self.mlp_norm(x_BxTxD), ("batch", "seq", "embed"))
+        return constrain(x_BxTxD + self.mlp(h_BxTxD), ("batch", "sp_seq", "embed"))

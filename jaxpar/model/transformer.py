@@ -16,22 +16,27 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.layers import Block, norm, param, rope_tables
-from jaxpar.sharding import constrain, use_params
+from jaxpar.sharding import constrain, params_never_saved, use_params
 
 Params = dict[str, Any]
 
 REMAT_POLICIES = {
-    "full": None,  # save nothing inside a block; recompute it all in the backward pass
-    # Save the outputs of weight matmuls (no batch dims), recompute the cheap elementwise work
+    # Save everything but the parameters handed out by `use_params` (under ZeRO-3, gathered
+    # copies): no recomputation, and no layer's gathered weights held from forward to backward.
+    "none": params_never_saved(jax.checkpoint_policies.everything_saveable),
+    "full": params_never_saved(None),  # save nothing inside a block; recompute it in the backward pass
+    # Save the outputs of weight matmuls (no batch dims); recompute the cheap elementwise work
     # and the attention scores.
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": params_never_saved(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
 }
 
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        D, V, pd, std = cfg.d_model, cfg.vocab_size, cfg.param_dtype, cfg.init_std
+        # Rows padded to a multiple of vocab_multiple: the padding is part of the config, not of
+        # the mesh, so every mesh holds the same parameters; the loss never predicts padded ids.
+        D, V, pd, std = cfg.d_model, cfg.padded_vocab, cfg.param_dtype, cfg.init_std
         self.embed = param(rngs, (V, D), ("vocab", "embed"), pd, std)
         if cfg.arch == "gpt2":
             self.pos_embed = param(rngs, (cfg.seq_len, D), ("pos", "embed"), pd, std / 2)
@@ -47,7 +52,7 @@ class Transformer(nnx.Module):
             self.lm_head = param(rngs, (D, V), ("embed", "vocab"), pd, std)
 
     def __call__(self, tokens_BxT: jax.Array, *, remat: str = "none") -> jax.Array:
-        """Next-token logits [B, T, V] in float32 for int tokens [B, T]."""
+        """Next-token logits [B, T, V] in float32 for int tokens [B, T] (V: the padded vocabulary)."""
         return self.head(self.backbone(self.embed_tokens(tokens_BxT), remat=remat))
 
     def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
@@ -56,18 +61,18 @@ class Transformer(nnx.Module):
         x_BxTxD = jnp.take(self.embed[...].astype(cfg.dtype), tokens_BxT, axis=0)
         if cfg.arch == "gpt2":
             x_BxTxD = x_BxTxD + self.pos_embed[:tokens_BxT.shape[1]].astype(cfg.dtype)[None]
-        return constrain(x_BxTxD, ("batch", "seq", "embed"))
+        return constrain(x_BxTxD, ("batch", "sp_seq", "embed"))
 
     def backbone(self, x_BxTxD: jax.Array, *, remat: str = "none") -> jax.Array:
         """All blocks, scanned over `layers`."""
         cfg = self.cfg
         rope = rope_tables(x_BxTxD.shape[1], cfg.head_dim, cfg.rope_theta) if cfg.arch == "llama" else None
-        return run_blocks(self.blocks, x_BxTxD, rope, remat)
+        return run_blocks(self.blocks, x_BxTxD, rope, remat, _block_names(cfg))
 
     def head(self, x_BxTxD: jax.Array) -> jax.Array:
         """Final norm and output projection: logits [B, T, V] in float32."""
         cfg = self.cfg
-        x_BxTxD = self.final_norm(x_BxTxD)
+        x_BxTxD = constrain(self.final_norm(x_BxTxD), ("batch", "seq", "embed"))
         w_DxV = self.lm_head[...] if cfg.arch == "llama" else self.embed[...].T
         # Logits accumulate and come out in float32: the softmax of the loss needs the precision.
         logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, w_DxV.astype(cfg.dtype),
@@ -75,26 +80,34 @@ class Transformer(nnx.Module):
         return constrain(logits_BxTxV, ("batch", "seq", "vocab"))
 
 
-def run_blocks(blocks: Block, x_BxTxD: jax.Array, rope, remat: str) -> jax.Array:
-    """Scan `x` through stacked `blocks` (params with a leading `layers` dim)."""
+def run_blocks(blocks: Block, x_BxTxD: jax.Array, rope, remat: str, names: Any) -> jax.Array:
+    """Scan `x` through stacked `blocks` (params with a leading `layers` dim, one layer's dims named
+    by `names`)."""
     graphdef, state = nnx.split(blocks)
+    template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
 
-    def body(x, block_state):
+    def body(x, layer_params):
         # This layer's parameters enter here: under data parallelism their gradients are reduced
         # at this point of the backward pass, one layer at a time, overlapping the next layer.
-        return nnx.merge(graphdef, use_params(block_state))(x, rope), None
+        layer_state = jax.tree.map(lambda v: v, template)
+        nnx.replace_by_pure_dict(layer_state, use_params(layer_params, names))
+        return nnx.merge(graphdef, layer_state)(x, rope), None
 
-    if remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, state)
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, nnx.to_pure_dict(state))
     return x_BxTxD
+
+
+def _block_names(cfg: ModelConfig) -> Any:
+    """Logical names of one layer's parameters (the stacked names without `layers`)."""
+    return jax.tree.map(lambda n: n[1:], param_names(cfg)["blocks"], is_leaf=lambda x: isinstance(x, tuple))
 
 
 # --------------------------------------------------------------------------------------------
 # Functional API over plain parameter dicts
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=32)
 def _abstract(cfg: ModelConfig):
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     return nnx.split(model)
@@ -110,6 +123,7 @@ def param_shapes(cfg: ModelConfig) -> Params:
     return nnx.to_pure_dict(_abstract(cfg)[1])
 
 
+@functools.lru_cache(maxsize=32)
 def param_names(cfg: ModelConfig) -> Params:
     """The parameter tree with a tuple of logical dim names at each leaf, e.g. ("layers", "embed", "mlp")."""
     specs = nnx.get_partition_spec(_abstract(cfg)[1])
@@ -122,7 +136,8 @@ def bind(cfg: ModelConfig, params: Params) -> Transformer:
     graphdef, state = _abstract(cfg)
     state = jax.tree.map(lambda x: x, state)  # a fresh copy: the cached abstract state stays untouched
     # Block parameters are marked layer by layer inside the scan (`run_blocks`), the rest here.
-    params = {k: v if k == "blocks" else use_params(v) for k, v in params.items()}
+    names = param_names(cfg)
+    params = {k: v if k == "blocks" else use_params(v, names[k]) for k, v in params.items()}
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
 

@@ -20,19 +20,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
 def summary(cfg, mesh) -> str:
     from jaxpar import model
     from jaxpar.mesh import describe
+    from jaxpar.parallel.gradients import describe_reduction
+    from jaxpar.parallel.zero import make_layout, state_bytes
 
     m, tr = cfg.model, cfg.train
     n = model.count_params(m)
+    shapes = model.param_shapes(m)
+    state = state_bytes(make_layout(cfg, mesh, model.param_names(m), shapes), shapes, mesh)
+    per_device = ", ".join(f"{k} {_mib(v['per_device'])} of {_mib(v['replicated'])}" for k, v in state.items())
     return "\n".join([
         f"model   {m.arch}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads ({m.kv_heads} kv), "
         f"d_ff {m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}; {n:,} parameters; compute {m.dtype}, "
         f"params {m.param_dtype}",
         f"train   {tr.steps} steps x {tr.global_batch} sequences ({tr.global_batch * m.seq_len:,} tokens/step), "
         f"lr {tr.lr:g}, data {cfg.data.source!r}, run_dir {tr.run_dir}",
-        f"parallel zero {cfg.parallel.zero}, remat {cfg.parallel.remat}, microbatches {cfg.parallel.microbatches}",
+        f"parallel zero {cfg.parallel.zero}, remat {cfg.parallel.remat}, microbatches {cfg.parallel.microbatches}; "
+        f"gradients: {describe_reduction(cfg)}",
+        f"state   per device (of the fully replicated total): {per_device}",
         "mesh\n" + describe(mesh),
     ])
 

@@ -1,9 +1,9 @@
 """The training program: sharded state initialisation and the jitted, donated train step.
 
 State is built as shapes -> shardings -> `jit(init, out_shardings=...)`, so parameters are born
-on their devices and never exist whole on one host. The step is one `jax.jit` program: forward,
-backward, gradient reduction over `data` (placed by GSPMD from the batch sharding: one
-all-reduce per gradient, per layer inside the backward layer scan), clipping and AdamW.
+on their devices and never exist whole on one host. The step is one `jax.jit` program: forward and
+backward with one data-axis reduction of every gradient (`jaxpar.parallel.gradients`), clipping,
+AdamW on the ZeRO layout of `jaxpar.parallel.zero`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import model
-from jaxpar.config import Config
-from jaxpar.mesh import check_mesh, make_mesh
-from jaxpar.sharding import activation_rules, compute_rules, named_shardings, storage_rules
+from jaxpar.config import Config, validate
+from jaxpar.mesh import AXES, check_mesh, check_sizes, make_mesh
+from jaxpar.parallel.gradients import make_loss_and_grads
+from jaxpar.parallel.zero import Layout, make_layout
+from jaxpar.sharding import compute_rules
 from jaxpar.train.optim import lr_schedule, make_optimizer
 
 
@@ -29,16 +31,24 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, vocab_size: int | None = None) -> jax.Array:
     """Mean next-token cross-entropy in float32."""
-    return cross_entropy_sum(logits_BxTxV, targets_BxT) / targets_BxT.size
+    return cross_entropy_sum(logits_BxTxV, targets_BxT, vocab_size) / targets_BxT.size
 
 
-def cross_entropy_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
-    """Summed next-token cross-entropy in float32."""
+def cross_entropy_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array, vocab_size: int | None = None) -> jax.Array:
+    """Summed next-token cross-entropy in float32; ids >= vocab_size (padding) are never predicted.
+
+    Written as reductions over `vocab` only (max, sum of exp, and a masked sum for the target's
+    logit, no gather), so with the vocab split over `model` each rank reduces its slice and only
+    [B, T] partial results cross ranks: the full [B, T, V] logits never exist on one device.
+    """
     logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+    ids_BxTxV = jax.lax.broadcasted_iota(jnp.int32, logits_BxTxV.shape, 2)
+    if vocab_size is not None and vocab_size < logits_BxTxV.shape[-1]:
+        logits_BxTxV = jnp.where(ids_BxTxV < vocab_size, logits_BxTxV, -jnp.inf)
     logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    target_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+    target_BxT = jnp.sum(jnp.where(ids_BxTxV == targets_BxT[..., None], logits_BxTxV, 0.0), axis=-1)
     return jnp.sum(logz_BxT - target_BxT)
 
 
@@ -48,7 +58,7 @@ def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: 
     the shards' losses and gradients add up to those of the whole batch."""
     logits = model.apply(cfg.model, params, batch_BxT1[:, :-1], remat=cfg.parallel.remat)
     targets = batch_BxT1[:, 1:]
-    return cross_entropy_sum(logits, targets) / (targets.size if n_tokens is None else n_tokens)
+    return cross_entropy_sum(logits, targets, cfg.model.vocab_size) / (targets.size if n_tokens is None else n_tokens)
 
 
 def _opt_state_shardings(opt_shapes: Any, param_shardings: Any, replicated: NamedSharding) -> Any:
@@ -65,6 +75,7 @@ class Program:
 
     cfg: Config
     mesh: Mesh
+    layout: Layout
     optimizer: optax.GradientTransformation
     state_shardings: TrainState
     batch_sharding: NamedSharding
@@ -85,67 +96,47 @@ class Program:
 
 def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     """Shardings and jitted functions for `cfg` on `mesh` (default: `make_mesh(cfg)`)."""
+    validate(cfg)  # a Config built in Python (from_dict, replace) gets the same checks as a file
     mesh = make_mesh(cfg) if mesh is None else mesh
     check_mesh(mesh)
-    names = model.param_names(cfg.model)
+    check_sizes(cfg, tuple(mesh.shape[a] for a in AXES))
+    names, shapes = model.param_names(cfg.model), model.param_shapes(cfg.model)
+    layout = make_layout(cfg, mesh, names, shapes)
     optimizer = make_optimizer(cfg.train, names)
     schedule = lr_schedule(cfg.train)
-    param_shardings = named_shardings(mesh, storage_rules(cfg), names)
+    shard = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,  # noqa: E731
+                                       is_leaf=lambda x: isinstance(x, P))
+    param_shardings, grad_shardings, moment_shardings = shard(layout.params), shard(layout.grads), shard(layout.moments)
     replicated = NamedSharding(mesh, P())
-    batch_sharding = NamedSharding(mesh, compute_rules(cfg).spec(("batch", None)))
-
-    opt_shapes = jax.eval_shape(optimizer.init, model.param_shapes(cfg.model))
+    batch_sharding = NamedSharding(mesh, compute_rules(cfg, mesh).spec(("batch", None)))
+    opt_shapes = jax.eval_shape(optimizer.init, shapes)
     state_shardings = TrainState(replicated, param_shardings,
-                                 _opt_state_shardings(opt_shapes, param_shardings, replicated))
+                                 _opt_state_shardings(opt_shapes, moment_shardings, replicated))
+    loss_and_grads = make_loss_and_grads(cfg, mesh, layout, lambda p, rows, n: loss_fn(cfg, p, rows, n))
 
     def init(key: jax.Array) -> TrainState:
         params = model.init_params(cfg.model, key)
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
-    grads = data_parallel_grads(cfg, mesh)
-
     def step(state: TrainState, batch: jax.Array):
-        loss, g = grads(state.params, batch)
+        loss, g = loss_and_grads(state.params, batch)
         updates, opt_state = optimizer.update(g, state.opt_state, state.params)
+        # ZeRO-1/2: each device computes the update of its optimizer-state shard only; the new
+        # parameters are then all-gathered to their (replicated) storage layout by out_shardings.
+        updates = jax.lax.with_sharding_constraint(updates, moment_shardings)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.global_norm(g), "lr": schedule(state.step)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return Program(
-        cfg=cfg, mesh=mesh, optimizer=optimizer, state_shardings=state_shardings, batch_sharding=batch_sharding,
+        cfg=cfg, mesh=mesh, layout=layout, optimizer=optimizer, state_shardings=state_shardings,
+        batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated), donate_argnums=0),
-        loss_and_grads=jax.jit(grads, in_shardings=(param_shardings, batch_sharding),
-                               out_shardings=(replicated, param_shardings)),
+        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(param_shardings, batch_sharding),
+                               out_shardings=(replicated, grad_shardings)),
     )
-
-
-def data_parallel_grads(cfg: Config, mesh: Mesh) -> Callable:
-    """`(params, batch) -> (loss, grads)` of the global batch, each gradient reduced over `data` once.
-
-    A shard_map manual over `data` (`model` and `stage` stay automatic): each data shard computes
-    the gradient of its share of the loss, and every parameter is cast to data-varying where it
-    enters the computation (`use_params`), so the transpose of that cast (a psum) reduces its
-    gradient right there in the backward pass: per layer inside the backward layer scan, and
-    once for a parameter used in several places (tied embeddings add up before the reduction).
-    Left to GSPMD, the two uses of a tied embedding were reduced separately (measured on CPU).
-    """
-    manual = ("data",)
-    rules = compute_rules(cfg).without(manual)
-    n_tokens = cfg.train.global_batch * cfg.model.seq_len
-
-    def to_varying(w: jax.Array) -> jax.Array:
-        return jax.lax.pcast(w, manual, to="varying")
-
-    def local(params, batch):
-        with activation_rules(mesh, rules, param_fn=to_varying):
-            loss, g = jax.value_and_grad(lambda p: loss_fn(cfg, p, batch, n_tokens))(params)
-        return jax.lax.psum(loss, manual), g
-
-    batch_spec = P(compute_rules(cfg).spec(("batch",))[0])
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()),
-                         axis_names=set(manual))
 
 
 def lower_step(cfg: Config, mesh: Mesh | None = None) -> tuple[jax.stages.Compiled, Mesh]:

@@ -1,0 +1,125 @@
+"""Data-parallel loss and gradients: a shard_map manual over `data`, gradient accumulation over
+microbatches, and exactly one data-axis reduction of every gradient per step.
+
+Where each gradient is reduced (DESIGN.md decision 5):
+
+- ZeRO 0/1, one microbatch: every parameter is cast to data-varying where it enters the model
+  (`sharding.use_params`); the transpose of that cast is the all-reduce of its gradient, so block
+  gradients are reduced per layer inside the backward layer scan (overlapping the next layer's
+  backward, as DDP's buckets do), and a tied embedding once, after its two uses are added.
+- ZeRO 0/1/2 with microbatches, and ZeRO-2: the parameters are made data-varying before the
+  microbatch loop, so nothing is reduced inside it; each data shard accumulates its unreduced
+  gradient in float32 and reduces once after the loop: all-reduce (0/1) or reduce-scatter (2).
+- ZeRO-3: parameters enter as data shards and are all-gathered where they are used (per layer,
+  inside the layer scan, and again in the backward pass); the transpose of the all-gather is the
+  reduce-scatter of the gradient, so gradients come out sharded. With microbatches this happens
+  once per microbatch, as in FSDP and DeepSpeed: accumulating unreduced full gradients instead
+  would cost 4 bytes per parameter on every device, more than ZeRO-3's whole 16Ψ/d state for d > 4.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpar.config import Config
+from jaxpar.parallel.zero import Layout
+from jaxpar.sharding import activation_rules, compute_rules
+
+DATA = "data"
+
+
+def _varying(x: jax.Array, names: tuple[str, ...] = ()) -> jax.Array:
+    del names
+    return jax.lax.pcast(x, DATA, to="varying")
+
+
+def _varies_over(x: jax.Array, axis: str) -> bool:
+    """Whether `x` (inside a shard_map) differs across the manual `axis`."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "manual_axis_type"):  # jax 0.10
+        return axis in aval.manual_axis_type.varying
+    return axis in aval.vma  # jax 0.7 - 0.9 spelling, kept for newer releases that restore it
+
+
+def _gather_or_vary(layout: Layout) -> Callable:
+    def use(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+        """ZeRO-3's use of a parameter: all-gather a data shard, or mark a replicated leaf varying."""
+        if _varies_over(x, DATA):
+            return jax.lax.all_gather(x, DATA, axis=layout.gather_dim(names, x.shape), tiled=True)
+        return _varying(x)
+    return use
+
+
+def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callable) -> Callable:
+    """`(params, batch) -> (loss, grads)` on the global batch, with params and grads laid out by
+    `layout`. `loss_fn(params, batch_rows, n_tokens)` is the summed loss of some rows divided by
+    `n_tokens`, so that losses and gradients of disjoint rows add up to those of the whole batch."""
+    zero, m = layout.zero, cfg.parallel.microbatches
+    n_tokens = cfg.train.global_batch * cfg.model.seq_len
+    manual = mesh.shape[DATA] > 1
+    rules = compute_rules(cfg, mesh).without((DATA,)) if manual else compute_rules(cfg, mesh)
+    reduce_at_use = zero in (0, 1) and m == 1
+    param_fn = _gather_or_vary(layout) if zero == 3 else _varying if reduce_at_use else None
+    param_fn = param_fn if manual else None
+
+    def grads_of(params, rows):
+        with activation_rules(mesh, rules, param_fn=param_fn):
+            return jax.value_and_grad(lambda p: loss_fn(p, rows, n_tokens))(params)
+
+    def accumulate(params, batch):
+        if m == 1:
+            return grads_of(params, batch)
+        micro = batch.reshape(m, batch.shape[0] // m, *batch.shape[1:])
+        # The first microbatch starts the float32 accumulator, so it carries exactly the type
+        # (shape, and which manual axes it varies over) of the gradients it sums.
+        loss, g = grads_of(params, micro[0])
+        to_f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
+
+        def body(carry, rows):
+            acc_loss, acc = carry
+            loss, g = grads_of(params, rows)
+            return (acc_loss + loss, jax.tree.map(jnp.add, acc, to_f32(g))), None
+
+        (loss, acc), _ = jax.lax.scan(body, (loss, to_f32(g)), micro[1:])
+        return loss, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+
+    def local(params, batch):
+        if param_fn is None:  # reduce after the loop: differentiate data-varying copies
+            params = jax.tree.map(_varying, params)
+        loss, g = accumulate(params, batch)
+        if param_fn is None:
+            g = jax.tree.map(_reduce, g, layout.zero_dims) if zero >= 2 else jax.lax.psum(g, DATA)
+        return jax.lax.psum(loss, DATA), g
+
+    if not manual:
+        # One data shard: nothing to reduce, so no shard_map. (A manual `data` axis of size 1
+        # beside an automatic `model` axis trips XLA's SPMD partitioner on jax 0.10.2:
+        # "Cross-partition allreduce must be in (partial) manual partitioning mode".)
+        return accumulate
+
+    batch_spec = P(compute_rules(cfg, mesh).spec(("batch",))[0])
+    return jax.shard_map(local, mesh=mesh, in_specs=(layout.data_specs("params"), batch_spec),
+                         out_specs=(P(), layout.data_specs("grads")), axis_names={DATA})
+
+
+def _reduce(g: jax.Array, dim: int | None) -> jax.Array:
+    """One reduction of a gradient over `data`: reduce-scatter along its ZeRO dim, else all-reduce."""
+    if dim is None:
+        return jax.lax.psum(g, DATA)
+    return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+
+
+def describe_reduction(cfg: Config) -> str:
+    """Where the data-axis gradient reduction happens for this config, in words (for the CLI)."""
+    zero, m = cfg.parallel.zero, cfg.parallel.microbatches
+    if zero == 3:
+        return "ZeRO-3: parameters all-gathered per layer where used; gradients reduce-scattered there" + (
+            f", once per microbatch ({m})" if m > 1 else "")
+    if zero in (0, 1) and m == 1:
+        return "all-reduce per layer inside the backward layer scan"
+    return ("reduce-scatter" if zero == 2 else "all-reduce") + f" once per step, after {m} microbatch(es)"
+

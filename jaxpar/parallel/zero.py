@@ -1,0 +1,159 @@
+"""ZeRO over `data`: which leaves of parameters, gradients and optimizer state are sharded, per stage.
+
+Stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the parameters
+(FSDP). The sharded dim of every leaf comes from its logical names, never from per-tensor code:
+
+- the dim named `embed` goes to `data` (the storage rule);
+- fallback, for a leaf without an `embed` dim (biases) or whose `embed` size the data size does
+  not divide: its largest other dim that the data size divides, never `layers` (scanned);
+- a leaf with fewer than `parallel.zero_min_elements` elements (default 16384: norm scales,
+  small biases) stays replicated: sharding it would save a few bytes and cost one collective;
+- a leaf with no dim to shard stays replicated; under ZeRO-3 a large one (at least
+  `zero_min_elements`) is refused with a ConfigError before compiling, never silently replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpar.config import Config, ConfigError
+from jaxpar.sharding import Rules, storage_rules
+
+
+ZERO_DIM_NAME = "embed"
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+def zero_dim(names: tuple[str, ...], shape: tuple[int, ...], split: tuple[int, ...], data: int,
+             min_elements: int) -> int | None:
+    """The dim of a leaf that ZeRO shards over `data`, or None if the leaf stays replicated.
+
+    `split[i]` is how many ways other axes already split dim i (e.g. `model` for `mlp`); the data
+    size must divide what is left of it.
+    """
+    if data == 1 or math.prod(shape) < min_elements:
+        return None
+    fits = [i for i, n in enumerate(names) if n != "layers" and shape[i] % (split[i] * data) == 0]
+    if ZERO_DIM_NAME in names and names.index(ZERO_DIM_NAME) in fits:
+        return names.index(ZERO_DIM_NAME)
+    return max(fits, key=lambda i: (shape[i], -i)) if fits else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """PartitionSpecs (full mesh) of parameters, gradients and optimizer-state moments, and for each
+    leaf the dim sharded over `data` (None: replicated over `data`)."""
+
+    zero: int
+    params: Any
+    grads: Any
+    moments: Any
+    zero_dims: Any
+    gather_dims: dict  # (names, shape of a shard) -> its data-sharded dim, for a shard met by name
+
+    def gather_dim(self, names: tuple[str, ...], shard_shape: tuple[int, ...]) -> int:
+        """The data-sharded dim of a parameter shard with logical `names` (one layer's, or stacked)."""
+        return self.gather_dims[(tuple(names), tuple(shard_shape))]
+
+    def data_specs(self, which: str) -> Any:
+        """Specs of `which` ("params" or "grads") restricted to the `data` axis (shard_map in/out specs)."""
+        tree = self.params if which == "params" else self.grads
+
+        def data_only(ax) -> str | None:  # ("data", "model") -> "data": data is the major split
+            return "data" if ax == "data" or (isinstance(ax, tuple) and "data" in ax) else None
+        return jax.tree.map(lambda s: P(*map(data_only, s)), tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def _with_data(spec: P, dim: int | None) -> P:
+    if dim is None:
+        return spec
+    axes = list(spec)
+    current = axes[dim]
+    if current is None:
+        axes[dim] = "data"
+    else:  # the dim is also split by another axis (e.g. model): data outermost
+        axes[dim] = ("data",) + ((current,) if isinstance(current, str) else tuple(current))
+    return P(*axes)
+
+
+def make_layout(cfg: Config, mesh: Mesh, names: Any, shapes: Any) -> Layout:
+    """The layout of `cfg.parallel.zero` for parameters with logical `names` and `shapes`."""
+    zero, data, min_elements = cfg.parallel.zero, mesh.shape["data"], cfg.parallel.zero_min_elements
+    rules: Rules = storage_rules(cfg, mesh)
+    base = jax.tree.map(rules.spec, names, is_leaf=_is_names)
+
+    def split(spec: P) -> tuple[int, ...]:
+        return tuple(math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax or ())) for ax in spec)
+
+    dims = jax.tree.map(lambda n, s, b: zero_dim(n, s.shape, split(b), data, min_elements), names, shapes, base,
+                        is_leaf=_is_names)
+    if zero == 3:
+        _refuse_replicated(names, shapes, dims, data, min_elements)
+
+    def stage(min_zero: int) -> Any:
+        return jax.tree.map(lambda b, d: _with_data(b, d) if zero >= min_zero else b, base, dims,
+                            is_leaf=lambda x: isinstance(x, P))
+
+    return Layout(zero=zero, params=stage(3), grads=stage(2), moments=stage(1), zero_dims=dims,
+                  gather_dims=_gather_dims(names, shapes, dims, data))
+
+
+def _gather_dims(names: Any, shapes: Any, dims: Any, data: int) -> dict:
+    """Index the sharded dim of every shard by (names, shard shape), for the stacked leaf and for one
+    layer of it (names without `layers`). Two leaves with the same key must agree."""
+    out: dict = {}
+    flat_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, int))
+    for n, s, d in zip(jax.tree.leaves(names, is_leaf=_is_names), jax.tree.leaves(shapes), flat_dims):
+        if d is None:
+            continue
+        shard = tuple(x // data if i == d else x for i, x in enumerate(s.shape))
+        keys = [((tuple(n), shard), d)]
+        if n and n[0] == "layers":
+            keys.append(((tuple(n[1:]), shard[1:]), d - 1))
+        for key, dim in keys:
+            if out.setdefault(key, dim) != dim:
+                raise ValueError(f"ZeRO layout: shards {key} are sharded on different dims")
+    return out
+
+
+def _refuse_replicated(names, shapes, dims, data, min_elements) -> None:
+    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    flat_names = jax.tree.leaves(names, is_leaf=_is_names)
+    flat_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, int))
+    for (path, shape), n, d in zip(flat, flat_names, flat_dims):
+        if d is None and math.prod(shape.shape) >= min_elements:
+            leaf = jax.tree_util.keystr(path, simple=True, separator=".")
+            raise ConfigError(
+                f"parameter {leaf} {tuple(shape.shape)} (dims {', '.join(n)}) would stay replicated under "
+                f"parallel.zero = 3: none of its dims is divisible by mesh.data = {data}; choose a data size "
+                f"that divides model.d_model, or use parallel.zero = 2.")
+
+
+def state_bytes(layout: Layout, shapes: Any, mesh: Mesh, moments_per_param: int = 2) -> dict[str, dict[str, int]]:
+    """Per-device and fully replicated bytes of parameters, gradients and optimizer state (Adam: two
+    moments per parameter, in the parameter dtype)."""
+
+    def per_device(specs: Any) -> int:
+        def leaf(spec: P, s) -> int:
+            split = 1
+            for ax in spec:
+                for a in (() if ax is None else (ax,) if isinstance(ax, str) else ax):
+                    split *= mesh.shape[a]
+            return s.size * s.dtype.itemsize // split
+        return sum(jax.tree.leaves(jax.tree.map(leaf, specs, shapes, is_leaf=lambda x: isinstance(x, P))))
+
+    full = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))
+    return {
+        "params": {"per_device": per_device(layout.params), "replicated": full},
+        "grads": {"per_device": per_device(layout.grads), "replicated": full},
+        "optimizer": {"per_device": moments_per_param * per_device(layout.moments),
+                      "replicated": moments_per_param * full},
+    }
