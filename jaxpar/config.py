@@ -28,7 +28,7 @@ class ConfigError(JaxparError, ValueError):
 
 # Values that later work implements. They are accepted by the parser and refused by `validate`
 # with a "not supported yet" error, never silently ignored.
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "1f1b_one_action", "interleaved_1f1b")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -94,8 +94,8 @@ class ParallelConfig:
     """ZeRO stage over `data`: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)."""
     zero_min_elements: int = 16384
     """ZeRO leaves with fewer elements than this (norm scales, biases) stay replicated over `data`."""
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    """Pipeline schedule, used when mesh.stage > 1."""
+    schedule: Literal["gpipe", "1f1b", "1f1b_one_action", "interleaved_1f1b"] = "1f1b"
+    """Pipeline schedule (mesh.stage > 1): gpipe, 1f1b (one F and one B per tick), 1f1b_one_action, interleaved_1f1b."""
     microbatches: int = 1
     """Microbatches per step (gradient accumulation, or pipeline microbatches)."""
     virtual_stages: int = 1
@@ -389,9 +389,9 @@ def validate(cfg: Config) -> None:
     # once the data size is resolved against the devices: a wrong mesh is reported first.
 
     # What later work implements: refuse rather than silently ignore.
-    _not_yet(mesh.stage not in (1,), f"mesh.stage = {mesh.stage}", "pipeline parallelism", "mesh.stage=1")
     _not_yet(par.virtual_stages != 1, f"parallel.virtual_stages = {par.virtual_stages}",
-             "interleaved pipeline schedules", "parallel.virtual_stages=1")
+             "the executor of interleaved schedules (their tables, validator and simulator exist)",
+             "parallel.virtual_stages=1")
     _not_yet(tr.checkpoint_every != 0, f"train.checkpoint_every = {tr.checkpoint_every}", "checkpointing",
              "train.checkpoint_every=0")
 
@@ -450,6 +450,20 @@ def check_model_axis(cfg: Config, t: int) -> None:
                  f"model.seq_len = {m.seq_len} is not divisible by mesh.model = {t}, but sequence parallelism "
                  f"splits the sequence over model ranks; choose seq_len as a multiple of {t} or turn "
                  "parallel.sequence_parallel off.")
+
+
+def check_stage_axis(cfg: Config, p: int) -> None:
+    """What pipeline parallelism over a `stage` axis of size p requires."""
+    if p == 1:
+        return
+    m, par = cfg.model, cfg.parallel
+    chunks = p * par.virtual_stages
+    _require(m.n_layers % chunks == 0,
+             f"model.n_layers = {m.n_layers} cannot be split evenly into mesh.stage x parallel.virtual_stages "
+             f"= {p} x {par.virtual_stages} = {chunks} pipeline chunks; choose n_layers as a multiple of {chunks}.")
+    _require(par.zero <= 1,
+             f"parallel.zero = {par.zero} is not supported with pipelining yet (mesh.stage = {p}); use "
+             "parallel.zero = 0 or 1 (optimizer state sharded over data).")
 
 
 def check_batch(cfg: Config, data: int) -> None:

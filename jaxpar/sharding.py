@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -98,6 +99,21 @@ def compute_rules(cfg: Config, mesh: Mesh) -> Rules:
     })
 
 
+def varying_axes(x: jax.Array) -> tuple[str, ...]:
+    """The manual mesh axes over which `x` (inside a shard_map) may differ."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "manual_axis_type"):  # jax 0.10
+        return tuple(sorted(aval.manual_axis_type.varying))
+    return tuple(sorted(getattr(aval, "vma", ())))  # the jax 0.7 - 0.9 spelling
+
+
+def zeros_like_varying(x: jax.Array) -> jax.Array:
+    """Zeros of x's shape, dtype and manual-axis variance (branches of a `lax.cond` must agree)."""
+    axes = varying_axes(x)
+    zeros = jnp.zeros(x.shape, x.dtype)
+    return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+
+
 def named_shardings(mesh: Mesh, rules: Rules, names_tree: Any) -> Any:
     """Map a pytree of logical-name tuples to a pytree of NamedShardings."""
     return jax.tree.map(lambda names: NamedSharding(mesh, rules.spec(names)), names_tree,
@@ -115,9 +131,18 @@ PARAMS_TAG = "jaxpar_params"
 ParamFn = Callable[[jax.Array, tuple[str, ...]], jax.Array]
 
 # Primitives that hand out parameters inside a data-parallel region: a data-axis cast (`pvary`)
-# and ZeRO-3's all-gather. Their results are cheap to recompute (or must not be held, for
-# ZeRO-3), so no remat policy of jaxpar saves them for the backward pass.
-_PARAM_PRIMITIVES = ("pvary", "pcast", "all_gather")
+# and ZeRO-3's all-gather over `data`. Their results are cheap to recompute (or must not be held,
+# for ZeRO-3), so no remat policy of jaxpar saves them for the backward pass.
+_PARAM_CASTS = ("pvary", "pcast")
+
+
+def _hands_out_params(prim, params: dict) -> bool:
+    if prim.name in _PARAM_CASTS:
+        return True
+    if prim.name == "all_gather":  # ZeRO-3's gathers are over `data`; sequence parallelism's over `model`
+        axes = params.get("axis_name", ())
+        return "data" in ((axes,) if isinstance(axes, str) else tuple(axes))
+    return prim.name == "name" and params.get("name") == PARAMS_TAG
 
 
 def params_never_saved(policy: Callable[..., bool] | None) -> Callable[..., bool]:
@@ -126,28 +151,45 @@ def params_never_saved(policy: Callable[..., bool] | None) -> Callable[..., bool
     Per layer, the backward pass re-gathers ZeRO-3 shards instead of holding every layer's
     gathered weights from the forward pass (which would undo ZeRO-3's memory saving)."""
     def saveable(prim, *args, **params) -> bool:
-        if prim.name in _PARAM_PRIMITIVES or (prim.name == "name" and params.get("name") == PARAMS_TAG):
+        if _hands_out_params(prim, params):
             return False
         return policy is not None and policy(prim, *args, **params)
     return saveable
+
+
+class TensorParallel(NamedTuple):
+    """Manual Megatron tensor parallelism over `model` (inside a shard_map where it is manual)."""
+
+    t: int
+    sequence_parallel: bool
+    n_heads: int
+    n_kv_heads: int
+    axis: str = "model"
+
+    @property
+    def kv_replicated(self) -> bool:
+        return self.n_kv_heads % self.t != 0
 
 
 class _Active(NamedTuple):
     mesh: Mesh
     rules: Rules
     param_fn: ParamFn | None
+    tp: TensorParallel | None
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("jaxpar_rules", default=None)
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh, rules: Rules, *, param_fn: ParamFn | None = None):
-    """Within this context (at trace time) `constrain` pins activations to `rules` on `mesh`, and
+def activation_rules(mesh: Mesh, rules: Rules, *, param_fn: ParamFn | None = None,
+                     tp: TensorParallel | None = None):
+    """Within this context (at trace time) `constrain` pins activations to `rules` on `mesh`,
     `use_params` passes each parameter and its logical names through `param_fn` (e.g. a data-axis
     `pcast`, whose transpose reduces the gradient exactly where its parameter entered the
-    computation, or a ZeRO-3 all-gather, whose transpose reduce-scatters it)."""
-    token = _ACTIVE.set(_Active(mesh, rules, param_fn))
+    computation, or a ZeRO-3 all-gather, whose transpose reduce-scatters it), and with `tp` the
+    tensor-parallel marks (`enter_tp`, `exit_tp`, ...) run Megatron's explicit collectives."""
+    token = _ACTIVE.set(_Active(mesh, rules, param_fn, tp))
     try:
         yield
     finally:
@@ -176,3 +218,88 @@ def use_params(tree: Any, names: Any) -> Any:
     fn = active.param_fn
     return jax.tree.map(lambda x, n: checkpoint_name(fn(x, n), PARAMS_TAG), tree, names,
                         is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x))
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor-parallel marks. Without manual tensor parallelism they are sharding constraints (GSPMD
+# places the collectives); with it (`tp` active, `model` manual) they are Megatron's collectives.
+
+
+def _tp() -> TensorParallel | None:
+    active = _ACTIVE.get()
+    return None if active is None else active.tp
+
+
+def enter_tp(x_BxTxD: jax.Array) -> jax.Array:
+    """Input of column-parallel matmuls (q/k/v, up/gate, output head): the whole sequence, the
+    same on every model rank. Megatron's `f`: identity forward, all-reduce of the gradient
+    backward (the transpose of the data-varying cast); with sequence parallelism an all-gather
+    along seq forward, a reduce-scatter backward. One collective however many matmuls follow."""
+    tp = _tp()
+    if tp is None:
+        return constrain(x_BxTxD, ("batch", "seq", "embed"))
+    if tp.sequence_parallel:
+        return jax.lax.all_gather(x_BxTxD, tp.axis, axis=1, tiled=True)
+    return jax.lax.pcast(x_BxTxD, tp.axis, to="varying")
+
+
+def exit_tp(partial_BxTxD: jax.Array) -> jax.Array:
+    """Output of a row-parallel matmul (attention output, MLP down): each model rank holds a
+    partial sum. Megatron's `g`: all-reduce forward (identity backward); with sequence
+    parallelism a reduce-scatter along seq onto the residual stream (all-gather backward)."""
+    tp = _tp()
+    if tp is None:
+        return constrain(partial_BxTxD, ("batch", "sp_seq", "embed"))
+    if tp.sequence_parallel:
+        return jax.lax.psum_scatter(partial_BxTxD, tp.axis, scatter_dimension=1, tiled=True)
+    return jax.lax.psum(partial_BxTxD, tp.axis)
+
+
+def local_kv_heads(kv_BxTxKxH: jax.Array) -> jax.Array:
+    """The kv heads that serve this rank's query heads. With n_kv_heads < t the kv projections
+    are replicated (all K heads computed on every rank) and each rank keeps the one head its
+    N/t query heads share; otherwise kv heads are already split like the query heads."""
+    tp = _tp()
+    if tp is None or not tp.kv_replicated:
+        return kv_BxTxKxH
+    ranks_per_kv_head = tp.t // tp.n_kv_heads
+    head = jax.lax.axis_index(tp.axis) // ranks_per_kv_head
+    return jax.lax.dynamic_slice_in_dim(kv_BxTxKxH, head, 1, axis=2)
+
+
+def local_seq(x_TxD: jax.Array) -> jax.Array:
+    """This rank's rows of a per-position table under sequence parallelism (else all of them)."""
+    tp = _tp()
+    if tp is None or not tp.sequence_parallel:
+        return x_TxD
+    n = x_TxD.shape[0] // tp.t
+    return jax.lax.dynamic_slice_in_dim(x_TxD, jax.lax.axis_index(tp.axis) * n, n, axis=0)
+
+
+def embed_lookup(table_VxD: jax.Array, ids_BxT: jax.Array) -> jax.Array:
+    """Rows of an embedding table for token ids, onto the residual stream [B, T, D] (`sp_seq`).
+
+    With the vocab split over `model` (Megatron's vocab-parallel embedding): each rank looks up
+    the ids its slice holds, zeros the rest, and the ranks' results are summed (reduce-scattered
+    along seq under sequence parallelism)."""
+    tp = _tp()
+    if tp is None:
+        return constrain(jnp.take(table_VxD, ids_BxT, axis=0), ("batch", "sp_seq", "embed"))
+    local = ids_BxT - vocab_offset(table_VxD.shape[0])
+    inside = (local >= 0) & (local < table_VxD.shape[0])
+    rows = jnp.take(table_VxD, jnp.where(inside, local, 0), axis=0)
+    return exit_tp(jnp.where(inside[..., None], rows, jnp.zeros((), rows.dtype)))
+
+
+def vocab_offset(local_vocab: int) -> jax.Array | int:
+    """The first vocabulary id of this rank's slice (0 without tensor parallelism)."""
+    tp = _tp()
+    return 0 if tp is None else jax.lax.axis_index(tp.axis) * local_vocab
+
+
+def vocab_reduce(x: jax.Array, op: str) -> jax.Array:
+    """Finish a reduction over the vocabulary ("max" or "sum") across model ranks' slices."""
+    tp = _tp()
+    if tp is None:
+        return x
+    return jax.lax.pmax(x, tp.axis) if op == "max" else jax.lax.psum(x, tp.axis)

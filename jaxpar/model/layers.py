@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.sharding import constrain
+from jaxpar.sharding import constrain, enter_tp, exit_tp, local_kv_heads
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str, ...], dtype, std: float | None = None,
@@ -88,7 +88,7 @@ class Attention(nnx.Module):
         pd, std = cfg.param_dtype, cfg.init_std
         # Residual-branch outputs scaled by 1/sqrt(2L) so the residual stream's variance stays O(1) (GPT-2).
         out_std = std / math.sqrt(2 * cfg.n_layers)
-        self.arch, self.dtype = cfg.arch, cfg.dtype
+        self.arch, self.dtype, self.head_dim, self.rope_theta = cfg.arch, cfg.dtype, H, cfg.rope_theta
         self.wq = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), pd, std)
         self.wk = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd, std)
         self.wv = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd, std)
@@ -99,7 +99,7 @@ class Attention(nnx.Module):
             self.bv = param(None, (K, H), ("kv_heads", "head_dim"), pd)
             self.bo = param(None, (D,), ("embed",), pd)
 
-    def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         dt = self.dtype
         q_BxTxNxH = jnp.einsum("btd,dnh->btnh", x_BxTxD, self.wq[...].astype(dt))
         k_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.wk[...].astype(dt))
@@ -108,17 +108,19 @@ class Attention(nnx.Module):
             q_BxTxNxH += self.bq[...].astype(dt)
             k_BxTxKxH += self.bk[...].astype(dt)
             v_BxTxKxH += self.bv[...].astype(dt)
-        if rope is not None:
+        if self.arch == "llama":  # tables for the whole sequence (constants XLA folds)
+            rope = rope_tables(x_BxTxD.shape[1], self.head_dim, self.rope_theta)
             q_BxTxNxH = apply_rope(q_BxTxNxH, *rope)
             k_BxTxKxH = apply_rope(k_BxTxKxH, *rope)
         q_BxTxNxH = constrain(q_BxTxNxH, ("batch", "seq", "heads", "head_dim"))
-        k_BxTxKxH = constrain(k_BxTxKxH, ("batch", "seq", "kv_heads", "head_dim"))
-        v_BxTxKxH = constrain(v_BxTxKxH, ("batch", "seq", "kv_heads", "head_dim"))
+        k_BxTxKxH = constrain(local_kv_heads(k_BxTxKxH), ("batch", "seq", "kv_heads", "head_dim"))
+        v_BxTxKxH = constrain(local_kv_heads(v_BxTxKxH), ("batch", "seq", "kv_heads", "head_dim"))
         # jax.nn.dot_product_attention handles GQA (N a multiple of K) and picks cuDNN's fused
         # kernel on GPU when shapes and dtypes allow; XLA's reference path elsewhere.
         o_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True)
         o_BxTxNxH = constrain(o_BxTxNxH, ("batch", "seq", "heads", "head_dim"))
-        out_BxTxD = jnp.einsum("btnh,nhd->btd", o_BxTxNxH, self.wo[...].astype(dt))
+        # Row-parallel: each model rank holds a partial sum until `exit_tp`; the bias comes after.
+        out_BxTxD = exit_tp(jnp.einsum("btnh,nhd->btd", o_BxTxNxH, self.wo[...].astype(dt)))
         if self.arch == "gpt2":
             out_BxTxD += self.bo[...].astype(dt)
         return out_BxTxD
@@ -147,7 +149,7 @@ class MLP(nnx.Module):
         else:
             h_BxTxF = jax.nn.gelu(h_BxTxF + self.b_up[...].astype(dt), approximate=True)
         h_BxTxF = constrain(h_BxTxF, ("batch", "seq", "mlp"))
-        out_BxTxD = jnp.einsum("btf,fd->btd", h_BxTxF, self.w_down[...].astype(dt))
+        out_BxTxD = exit_tp(jnp.einsum("btf,fd->btd", h_BxTxF, self.w_down[...].astype(dt)))
         if self.arch == "gpt2":
             out_BxTxD += self.b_down[...].astype(dt)
         return out_BxTxD
@@ -162,11 +164,10 @@ class Block(nnx.Module):
         self.mlp_norm = norm(cfg)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         # The residual stream and the norms live on `sp_seq` (split over `model` by sequence
-        # parallelism); each sub-layer gathers the whole sequence at its input and its row-parallel
-        # output is reduced back onto the residual (an all-reduce, or a reduce-scatter under SP).
-        h_BxTxD = constrain(self.attn_norm(x_BxTxD), ("batch", "seq", "embed"))
-        x_BxTxD = constrain(x_BxTxD + self.attn(h_BxTxD, rope), ("batch", "sp_seq", "embed"))
-        h_BxTxD = constrain(self.mlp_norm(x_BxTxD), ("batch", "seq", "embed"))
-        return constrain(x_BxTxD + self.mlp(h_BxTxD), ("batch", "sp_seq", "embed"))
+        # parallelism); each sub-layer takes the whole sequence at its input (`enter_tp`) and
+        # reduces its row-parallel output back onto the residual (`exit_tp`): per sub-layer one
+        # all-reduce each way, or a reduce-scatter + all-gather pair under SP.
+        x_BxTxD = x_BxTxD + self.attn(enter_tp(self.attn_norm(x_BxTxD)))
+        return x_BxTxD + self.mlp(enter_tp(self.mlp_norm(x_BxTxD)))

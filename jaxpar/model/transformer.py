@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.layers import Block, norm, param, rope_tables
-from jaxpar.sharding import constrain, params_never_saved, use_params
+from jaxpar.model.layers import Block, norm, param
+from jaxpar.sharding import constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
 
 Params = dict[str, Any]
 
@@ -58,21 +58,21 @@ class Transformer(nnx.Module):
     def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
         """Token (and, for gpt2, position) embeddings [B, T, D] in the compute dtype."""
         cfg = self.cfg
-        x_BxTxD = jnp.take(self.embed[...].astype(cfg.dtype), tokens_BxT, axis=0)
+        x_BxTxD = embed_lookup(self.embed[...].astype(cfg.dtype), tokens_BxT)
         if cfg.arch == "gpt2":
-            x_BxTxD = x_BxTxD + self.pos_embed[:tokens_BxT.shape[1]].astype(cfg.dtype)[None]
+            x_BxTxD = x_BxTxD + local_seq(self.pos_embed[:tokens_BxT.shape[1]].astype(cfg.dtype))[None]
         return constrain(x_BxTxD, ("batch", "sp_seq", "embed"))
 
     def backbone(self, x_BxTxD: jax.Array, *, remat: str = "none") -> jax.Array:
         """All blocks, scanned over `layers`."""
         cfg = self.cfg
-        rope = rope_tables(x_BxTxD.shape[1], cfg.head_dim, cfg.rope_theta) if cfg.arch == "llama" else None
-        return run_blocks(self.blocks, x_BxTxD, rope, remat, _block_names(cfg))
+        return run_blocks(self.blocks, x_BxTxD, remat, _block_names(cfg))
 
     def head(self, x_BxTxD: jax.Array) -> jax.Array:
-        """Final norm and output projection: logits [B, T, V] in float32."""
+        """Final norm and output projection: logits [B, T, V] in float32 (this rank's slice of the
+        vocabulary under tensor parallelism)."""
         cfg = self.cfg
-        x_BxTxD = constrain(self.final_norm(x_BxTxD), ("batch", "seq", "embed"))
+        x_BxTxD = enter_tp(self.final_norm(x_BxTxD))
         w_DxV = self.lm_head[...] if cfg.arch == "llama" else self.embed[...].T
         # Logits accumulate and come out in float32: the softmax of the loss needs the precision.
         logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, w_DxV.astype(cfg.dtype),
@@ -80,7 +80,7 @@ class Transformer(nnx.Module):
         return constrain(logits_BxTxV, ("batch", "seq", "vocab"))
 
 
-def run_blocks(blocks: Block, x_BxTxD: jax.Array, rope, remat: str, names: Any) -> jax.Array:
+def run_blocks(blocks: Block, x_BxTxD: jax.Array, remat: str, names: Any) -> jax.Array:
     """Scan `x` through stacked `blocks` (params with a leading `layers` dim, one layer's dims named
     by `names`)."""
     graphdef, state = nnx.split(blocks)
@@ -91,7 +91,7 @@ def run_blocks(blocks: Block, x_BxTxD: jax.Array, rope, remat: str, names: Any) 
         # at this point of the backward pass, one layer at a time, overlapping the next layer.
         layer_state = jax.tree.map(lambda v: v, template)
         nnx.replace_by_pure_dict(layer_state, use_params(layer_params, names))
-        return nnx.merge(graphdef, layer_state)(x, rope), None
+        return nnx.merge(graphdef, layer_state)(x), None
 
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, nnx.to_pure_dict(state))

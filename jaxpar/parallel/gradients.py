@@ -27,9 +27,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config
 from jaxpar.parallel.zero import Layout
-from jaxpar.sharding import activation_rules, compute_rules
+from jaxpar.sharding import TensorParallel, activation_rules, compute_rules, varying_axes
 
-DATA = "data"
+DATA, MODEL = "data", "model"
 
 
 def _varying(x: jax.Array, names: tuple[str, ...] = ()) -> jax.Array:
@@ -37,18 +37,10 @@ def _varying(x: jax.Array, names: tuple[str, ...] = ()) -> jax.Array:
     return jax.lax.pcast(x, DATA, to="varying")
 
 
-def _varies_over(x: jax.Array, axis: str) -> bool:
-    """Whether `x` (inside a shard_map) differs across the manual `axis`."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "manual_axis_type"):  # jax 0.10
-        return axis in aval.manual_axis_type.varying
-    return axis in aval.vma  # jax 0.7 - 0.9 spelling, kept for newer releases that restore it
-
-
 def _gather_or_vary(layout: Layout) -> Callable:
     def use(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
         """ZeRO-3's use of a parameter: all-gather a data shard, or mark a replicated leaf varying."""
-        if _varies_over(x, DATA):
+        if DATA in varying_axes(x):
             return jax.lax.all_gather(x, DATA, axis=layout.gather_dim(names, x.shape), tiled=True)
         return _varying(x)
     return use
@@ -57,17 +49,26 @@ def _gather_or_vary(layout: Layout) -> Callable:
 def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callable) -> Callable:
     """`(params, batch) -> (loss, grads)` on the global batch, with params and grads laid out by
     `layout`. `loss_fn(params, batch_rows, n_tokens)` is the summed loss of some rows divided by
-    `n_tokens`, so that losses and gradients of disjoint rows add up to those of the whole batch."""
+    `n_tokens`, so that losses and gradients of disjoint rows add up to those of the whole batch.
+
+    The shard_map is manual over `data` (when it has more than one shard) and over `model` (when
+    tensor parallelism is on: Megatron's explicit collectives, `jaxpar.sharding.enter_tp` etc.).
+    A manual axis of size 1 is left out: beside an automatic axis it trips XLA's SPMD
+    partitioner on jax 0.10.2 ("Cross-partition allreduce must be in (partial) manual
+    partitioning mode"), and there is nothing to reduce over it anyway.
+    """
     zero, m = layout.zero, cfg.parallel.microbatches
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
-    manual = mesh.shape[DATA] > 1
-    rules = compute_rules(cfg, mesh).without((DATA,)) if manual else compute_rules(cfg, mesh)
+    dp, t = mesh.shape[DATA] > 1, mesh.shape[MODEL]
+    manual = ({DATA} if dp else set()) | ({MODEL} if t > 1 else set())
+    rules = compute_rules(cfg, mesh).without(tuple(manual))
+    tp = TensorParallel(t, cfg.parallel.sequence_parallel, cfg.model.n_heads, cfg.model.kv_heads) if t > 1 else None
     reduce_at_use = zero in (0, 1) and m == 1
     param_fn = _gather_or_vary(layout) if zero == 3 else _varying if reduce_at_use else None
-    param_fn = param_fn if manual else None
+    param_fn = param_fn if dp else None
 
     def grads_of(params, rows):
-        with activation_rules(mesh, rules, param_fn=param_fn):
+        with activation_rules(mesh, rules, param_fn=param_fn, tp=tp):
             return jax.value_and_grad(lambda p: loss_fn(p, rows, n_tokens))(params)
 
     def accumulate(params, batch):
@@ -88,22 +89,19 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
         return loss, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
 
     def local(params, batch):
-        if param_fn is None:  # reduce after the loop: differentiate data-varying copies
+        after = dp and param_fn is None  # reduce after the loop: differentiate data-varying copies
+        if after:
             params = jax.tree.map(_varying, params)
         loss, g = accumulate(params, batch)
-        if param_fn is None:
+        if after:
             g = jax.tree.map(_reduce, g, layout.zero_dims) if zero >= 2 else jax.lax.psum(g, DATA)
-        return jax.lax.psum(loss, DATA), g
+        return (jax.lax.psum(loss, DATA) if dp else loss), g
 
     if not manual:
-        # One data shard: nothing to reduce, so no shard_map. (A manual `data` axis of size 1
-        # beside an automatic `model` axis trips XLA's SPMD partitioner on jax 0.10.2:
-        # "Cross-partition allreduce must be in (partial) manual partitioning mode".)
         return accumulate
-
-    batch_spec = P(compute_rules(cfg, mesh).spec(("batch",))[0])
-    return jax.shard_map(local, mesh=mesh, in_specs=(layout.data_specs("params"), batch_spec),
-                         out_specs=(P(), layout.data_specs("grads")), axis_names={DATA})
+    batch_spec = P(DATA) if dp else P()
+    return jax.shard_map(local, mesh=mesh, in_specs=(layout.manual_specs("params", manual), batch_spec),
+                         out_specs=(P(), layout.manual_specs("grads", manual)), axis_names=manual)
 
 
 def _reduce(g: jax.Array, dim: int | None) -> jax.Array:

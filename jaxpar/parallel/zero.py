@@ -63,13 +63,14 @@ class Layout:
         """The data-sharded dim of a parameter shard with logical `names` (one layer's, or stacked)."""
         return self.gather_dims[(tuple(names), tuple(shard_shape))]
 
-    def data_specs(self, which: str) -> Any:
-        """Specs of `which` ("params" or "grads") restricted to the `data` axis (shard_map in/out specs)."""
+    def manual_specs(self, which: str, axes: set[str]) -> Any:
+        """Specs of `which` ("params" or "grads") restricted to the manual `axes` of a shard_map."""
         tree = self.params if which == "params" else self.grads
 
-        def data_only(ax) -> str | None:  # ("data", "model") -> "data": data is the major split
-            return "data" if ax == "data" or (isinstance(ax, tuple) and "data" in ax) else None
-        return jax.tree.map(lambda s: P(*map(data_only, s)), tree, is_leaf=lambda x: isinstance(x, P))
+        def keep(ax):  # ("data", "model") -> "data" when only data is manual (data is the major split)
+            kept = tuple(a for a in ((ax,) if isinstance(ax, str) else ax or ()) if a in axes)
+            return None if not kept else kept[0] if len(kept) == 1 else kept
+        return jax.tree.map(lambda s: P(*map(keep, s)), tree, is_leaf=lambda x: isinstance(x, P))
 
 
 def _with_data(spec: P, dim: int | None) -> P:
@@ -102,19 +103,23 @@ def make_layout(cfg: Config, mesh: Mesh, names: Any, shapes: Any) -> Layout:
         return jax.tree.map(lambda b, d: _with_data(b, d) if zero >= min_zero else b, base, dims,
                             is_leaf=lambda x: isinstance(x, P))
 
-    return Layout(zero=zero, params=stage(3), grads=stage(2), moments=stage(1), zero_dims=dims,
-                  gather_dims=_gather_dims(names, shapes, dims, data))
+    params = stage(3)
+    return Layout(zero=zero, params=params, grads=stage(2), moments=stage(1), zero_dims=dims,
+                  gather_dims=_gather_dims(names, shapes, params, dims, mesh))
 
 
-def _gather_dims(names: Any, shapes: Any, dims: Any, data: int) -> dict:
-    """Index the sharded dim of every shard by (names, shard shape), for the stacked leaf and for one
-    layer of it (names without `layers`). Two leaves with the same key must agree."""
+def _gather_dims(names: Any, shapes: Any, specs: Any, dims: Any, mesh: Mesh) -> dict:
+    """Index the data-sharded dim of every parameter shard by (names, shard shape), for the stacked
+    leaf and for one layer of it (names without `layers`). Two leaves with the same key must agree."""
     out: dict = {}
     flat_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, int))
-    for n, s, d in zip(jax.tree.leaves(names, is_leaf=_is_names), jax.tree.leaves(shapes), flat_dims):
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for n, s, spec, d in zip(jax.tree.leaves(names, is_leaf=_is_names), jax.tree.leaves(shapes), flat_specs,
+                             flat_dims):
         if d is None:
             continue
-        shard = tuple(x // data if i == d else x for i, x in enumerate(s.shape))
+        shard = tuple(x // math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax or ()))
+                      for x, ax in zip(s.shape, spec))
         keys = [((tuple(n), shard), d)]
         if n and n[0] == "layers":
             keys.append(((tuple(n[1:]), shard[1:]), d - 1))

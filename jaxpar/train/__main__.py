@@ -44,8 +44,22 @@ def summary(cfg, mesh) -> str:
         f"parallel zero {cfg.parallel.zero}, remat {cfg.parallel.remat}, microbatches {cfg.parallel.microbatches}; "
         f"gradients: {describe_reduction(cfg)}",
         f"state   per device (of the fully replicated total): {per_device}",
+        *_pipeline_line(cfg, mesh),
         "mesh\n" + describe(mesh),
     ])
+
+
+def _pipeline_line(cfg, mesh) -> list[str]:
+    p = mesh.shape["stage"]
+    if p == 1:
+        return []
+    from jaxpar.parallel.schedules import build, simulate
+
+    par = cfg.parallel
+    sim = simulate(build(par.schedule, p, par.microbatches, par.virtual_stages))
+    return [f"pipeline {par.schedule}: {p} stages x {par.microbatches} microbatches, {len(sim.tick_times)} ticks; "
+            f"simulated bubble {sim.bubble_fraction:.1%} (idle / all stage-time, B = 2F); "
+            f"peak stashed microbatches per stage {list(sim.peak_stash)}"]
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,7 @@ from jaxpar.config import Config, validate
 from jaxpar.mesh import AXES, check_mesh, check_sizes, make_mesh
 from jaxpar.parallel.gradients import make_loss_and_grads
 from jaxpar.parallel.zero import Layout, make_layout
-from jaxpar.sharding import compute_rules
+from jaxpar.sharding import compute_rules, vocab_offset, vocab_reduce
 from jaxpar.train.optim import lr_schedule, make_optimizer
 
 
@@ -44,12 +44,16 @@ def cross_entropy_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array, vocab_siz
     [B, T] partial results cross ranks: the full [B, T, V] logits never exist on one device.
     """
     logits_BxTxV = logits_BxTxV.astype(jnp.float32)
-    ids_BxTxV = jax.lax.broadcasted_iota(jnp.int32, logits_BxTxV.shape, 2)
-    if vocab_size is not None and vocab_size < logits_BxTxV.shape[-1]:
+    # Global ids of this rank's vocabulary slice (all of it without tensor parallelism).
+    ids_BxTxV = jax.lax.broadcasted_iota(jnp.int32, logits_BxTxV.shape, 2) + vocab_offset(logits_BxTxV.shape[-1])
+    if vocab_size is not None:
         logits_BxTxV = jnp.where(ids_BxTxV < vocab_size, logits_BxTxV, -jnp.inf)
-    logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    target_BxT = jnp.sum(jnp.where(ids_BxTxV == targets_BxT[..., None], logits_BxTxV, 0.0), axis=-1)
-    return jnp.sum(logz_BxT - target_BxT)
+    # The max only keeps exp() in range; its gradient cancels, so it is taken out of the graph.
+    max_BxT = vocab_reduce(jax.lax.stop_gradient(jnp.max(logits_BxTxV, axis=-1)), "max")
+    sumexp_BxT = vocab_reduce(jnp.sum(jnp.exp(logits_BxTxV - max_BxT[..., None]), axis=-1), "sum")
+    target_BxT = vocab_reduce(jnp.sum(jnp.where(ids_BxTxV == targets_BxT[..., None], logits_BxTxV, 0.0), axis=-1),
+                              "sum")
+    return jnp.sum(max_BxT + jnp.log(sumexp_BxT) - target_BxT)
 
 
 def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: int | None = None) -> jax.Array:
@@ -112,7 +116,16 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     opt_shapes = jax.eval_shape(optimizer.init, shapes)
     state_shardings = TrainState(replicated, param_shardings,
                                  _opt_state_shardings(opt_shapes, moment_shardings, replicated))
-    loss_and_grads = make_loss_and_grads(cfg, mesh, layout, lambda p, rows, n: loss_fn(cfg, p, rows, n))
+    if mesh.shape["stage"] > 1:
+        from jaxpar.parallel.pipeline import make_pipeline_loss_and_grads, table_of
+        from jaxpar.parallel.schedules import build as build_schedule
+
+        table = table_of(build_schedule(cfg.parallel.schedule, mesh.shape["stage"], cfg.parallel.microbatches,
+                                        cfg.parallel.virtual_stages))
+        loss_and_grads = make_pipeline_loss_and_grads(
+            cfg, mesh, layout, table, lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size))
+    else:
+        loss_and_grads = make_loss_and_grads(cfg, mesh, layout, lambda p, rows, n: loss_fn(cfg, p, rows, n))
 
     def init(key: jax.Array) -> TrainState:
         params = model.init_params(cfg.model, key)

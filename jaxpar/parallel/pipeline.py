@@ -1,0 +1,176 @@
+"""Pipeline parallelism over `stage`: one executor that runs any valid schedule table.
+
+Layers are cut into p contiguous chunks (stage s holds layers [s·L/p, (s+1)·L/p): a reshape of
+the canonical `[layers, ...]` parameters, whose `layers` dim the storage rules already place on
+`stage`). The executor is a `lax.scan` over the table's ticks inside one shard_map manual over
+`stage` (and over `data` and `model` where they have more than one shard). In each tick every
+stage looks up its actions: F runs its chunk forward on a received activation (the first stage
+embeds the microbatch's tokens) and stashes the chunk input; B recomputes the chunk from the
+stash under `jax.vjp` (the last stage adds the head and the loss) and accumulates its parameter
+gradients in float32. One forward and one backward `ppermute` per tick move activations and
+their gradients to the neighbouring stages; received messages wait in small buffers until their
+action's tick. Buffers and stash have the sizes the table declares, so a 1F1B table keeps
+O(p) microbatches of activations whatever m is.
+
+Gradients stay unreduced over `data` inside the tick loop and are reduced once after it
+(DESIGN.md decision 5); the parameters shared by the end stages (embeddings, final norm, head)
+are summed over `stage` after the loop too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpar import model
+from jaxpar.config import Config
+from jaxpar.parallel.zero import Layout
+from jaxpar.sharding import TensorParallel, activation_rules, compute_rules, zeros_like_varying
+
+DATA, STAGE, MODEL = "data", "stage", "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A schedule as the executor consumes it: int32 arrays [ticks, p] and buffer sizes."""
+
+    f_valid: np.ndarray
+    f_mb: np.ndarray
+    b_valid: np.ndarray
+    b_mb: np.ndarray
+    stash: int      # stash slots per stage (peak stashed microbatches over stages)
+    fwd_slots: int  # received activations waiting for their F
+    bwd_slots: int  # received gradients waiting for their B
+
+    @property
+    def ticks(self) -> int:
+        return self.f_valid.shape[0]
+
+
+def table_of(schedule) -> Table:
+    """The executor's view of a `jaxpar.parallel.schedules.Schedule` (one chunk per stage)."""
+    a = schedule.to_arrays()
+    buffered = schedule.peak_buffered()
+    return Table(f_valid=a["f_valid"], f_mb=a["f_mb"], b_valid=a["b_valid"], b_mb=a["b_mb"],
+                 stash=max(1, max(schedule.peak_stash())),
+                 fwd_slots=max(1, max(f for f, _ in buffered)), bwd_slots=max(1, max(b for _, b in buffered)))
+
+
+def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table: Table,
+                                 loss_sum: Callable, *, poison_idle: bool = False) -> Callable:
+    """`(params, batch) -> (loss, grads)` of the global batch through the pipeline.
+
+    `loss_sum(logits, targets)` is the summed token loss of a microbatch; it is divided once by
+    the global token count. With `poison_idle`, the inputs of idle slots are NaN (a test that
+    bubbles never leak into gradients).
+    """
+    p, t = mesh.shape[STAGE], mesh.shape[MODEL]
+    dp = mesh.shape[DATA] > 1
+    m, L = cfg.parallel.microbatches, cfg.model.n_layers
+    chunk_cfg = dataclasses.replace(cfg.model, n_layers=L // p)
+    model.param_names(chunk_cfg)  # build (and cache) the chunk model's abstract state outside any mesh context
+    n_tokens = cfg.train.global_batch * cfg.model.seq_len
+    sp = cfg.parallel.sequence_parallel and t > 1
+    manual = {STAGE} | ({DATA} if dp else set()) | ({MODEL} if t > 1 else set())
+    rules = compute_rules(cfg, mesh).without(tuple(manual))
+    tp = TensorParallel(t, cfg.parallel.sequence_parallel, cfg.model.n_heads, cfg.model.kv_heads) if t > 1 else None
+    remat = cfg.parallel.remat
+    data_axes = (DATA,) if dp else ()
+
+    def chunk_forward(blocks, shared, x_in, tokens, first):
+        mdl = model.bind(chunk_cfg, {**shared, "blocks": blocks})
+        x = jnp.where(first, mdl.embed_tokens(tokens), x_in)
+        return mdl.backbone(x, remat=remat), mdl
+
+    def chunk_loss(blocks, shared, x_in, tokens, targets, first):
+        y, mdl = chunk_forward(blocks, shared, x_in, tokens, first)
+        return loss_sum(mdl.head(y), targets) / n_tokens
+
+    def local(params, batch):
+        stage = jax.lax.axis_index(STAGE)
+        first, last = stage == 0, stage == p - 1
+        blocks = params["blocks"]
+        shared = {k: v for k, v in params.items() if k != "blocks"}
+        # Unreduced inside the loop: blocks vary over `data`; shared parameters over `data` and
+        # `stage` too (only the end stages use them); both are reduced once after the loop.
+        if dp:
+            blocks = jax.tree.map(lambda w: jax.lax.pcast(w, DATA, to="varying"), blocks)
+        shared = jax.tree.map(lambda w: jax.lax.pcast(w, (*data_axes, STAGE), to="varying"), shared)
+        micro = batch.reshape(m, batch.shape[0] // m, *batch.shape[1:])
+        b, seq = micro.shape[1], micro.shape[2] - 1
+        act_shape = (b, seq // t if sp else seq, cfg.model.d_model)
+        act_axes = (*data_axes, STAGE, *((MODEL,) if sp else ()))
+
+        def zeros(shape):  # a buffer that varies over the manual axes its contents vary on
+            return jax.lax.pcast(jnp.zeros(shape, cfg.model.dtype), act_axes, to="varying")
+
+        def forward(x_in, mb):
+            y, _ = chunk_forward(blocks, shared, x_in, micro[mb, :, :-1], first)
+            return y
+
+        def backward(x_in, cot, mb, no_loss):
+            tokens, targets = micro[mb, :, :-1], micro[mb, :, 1:]
+
+            def at_last():
+                loss, vjp = jax.vjp(lambda bl, sh, x: chunk_loss(bl, sh, x, tokens, targets, first),
+                                    blocks, shared, x_in)
+                return (*vjp(jnp.ones_like(loss)), loss)
+
+            def inside():
+                y, vjp = jax.vjp(lambda bl, sh, x: chunk_forward(bl, sh, x, tokens, first)[0], blocks, shared, x_in)
+                return (*vjp(cot), no_loss)
+
+            return jax.lax.cond(last, at_last, inside)
+
+        def tick(carry, row):
+            fwd_buf, bwd_buf, stash, g_blocks, g_shared, loss_acc = carry
+            fv, fmb, bv, bmb = row["f_valid"][stage], row["f_mb"][stage], row["b_valid"][stage], row["b_mb"][stage]
+            # B first: it reads its stash slot before this tick's F may reuse it.
+            x_b, cot = stash[bmb % table.stash], bwd_buf[bmb % table.bwd_slots]
+            x_f = fwd_buf[fmb % table.fwd_slots]
+            if poison_idle:
+                x_b = jnp.where(bv > 0, x_b, jnp.nan)
+                x_f = jnp.where(fv > 0, x_f, jnp.nan)
+            no_loss = zeros_like_varying(loss_acc)
+            dbl, dsh, dx, loss = jax.lax.cond(
+                bv > 0, lambda: backward(x_b, cot, bmb, no_loss),
+                lambda: (jax.tree.map(zeros_like_varying, blocks), jax.tree.map(zeros_like_varying, shared),
+                         zeros_like_varying(x_b), no_loss))
+            y = jax.lax.cond(fv > 0, lambda: forward(x_f, fmb), lambda: zeros_like_varying(x_f))
+            stash = stash.at[fmb % table.stash].set(jnp.where(fv > 0, x_f, stash[fmb % table.stash]))
+            g_blocks = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_blocks, dbl)
+            g_shared = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_shared, dsh)
+            # One hop per tick: activations to the next stage, gradients to the previous one.
+            recv_f = jax.lax.ppermute(y, STAGE, [(i, i + 1) for i in range(p - 1)])
+            recv_b = jax.lax.ppermute(dx, STAGE, [(i + 1, i) for i in range(p - 1)])
+            prev, nxt = jnp.maximum(stage - 1, 0), jnp.minimum(stage + 1, p - 1)
+            sent_f = (stage > 0) & (row["f_valid"][prev] > 0)
+            sent_b = (stage < p - 1) & (row["b_valid"][nxt] > 0)
+            sf = row["f_mb"][prev] % table.fwd_slots
+            sb = row["b_mb"][nxt] % table.bwd_slots
+            fwd_buf = fwd_buf.at[sf].set(jnp.where(sent_f, recv_f, fwd_buf[sf]))
+            bwd_buf = bwd_buf.at[sb].set(jnp.where(sent_b, recv_b, bwd_buf[sb]))
+            return (fwd_buf, bwd_buf, stash, g_blocks, g_shared, loss_acc + loss), None
+
+        f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
+        carry = (zeros((table.fwd_slots, *act_shape)), zeros((table.bwd_slots, *act_shape)),
+                 zeros((table.stash, *act_shape)), f32_like(blocks), f32_like(shared),
+                 jax.lax.pcast(jnp.zeros((), jnp.float32), (*data_axes, STAGE), to="varying"))
+        rows = {k: jnp.asarray(v) for k, v in dataclasses.asdict(table).items() if isinstance(v, np.ndarray)}
+        with activation_rules(mesh, rules, tp=tp):
+            (_, _, _, g_blocks, g_shared, loss), _ = jax.lax.scan(tick, carry, rows)
+        # The one reduction per step, after the tick loop.
+        g_blocks = jax.tree.map(lambda g, w: (jax.lax.psum(g, DATA) if dp else g).astype(w.dtype), g_blocks,
+                                params["blocks"])
+        g_shared = {k: jax.tree.map(lambda g, w: jax.lax.psum(g, (*data_axes, STAGE)).astype(w.dtype), g_shared[k],
+                                    params[k]) for k in g_shared}
+        return jax.lax.psum(loss, (*data_axes, STAGE)), {**g_shared, "blocks": g_blocks}
+
+    batch_spec = P(DATA) if dp else P()
+    return jax.shard_map(local, mesh=mesh, in_specs=(layout.manual_specs("params", manual), batch_spec),
+                         out_specs=(P(), layout.manual_specs("grads", manual)), axis_names=manual)

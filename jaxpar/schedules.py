@@ -1,0 +1,57 @@
+"""`python -m jaxpar.schedules`: print a pipeline schedule as a table with its simulated cost
+(bubble as idle / all stage-time, peak stash, buffered messages), and optionally draw it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from jaxpar.parallel.schedules import SCHEDULES, ScheduleError, build, render_png, render_text, validate
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line on stderr and exit 2, from main, not argparse's usage dump
+        raise _UsageError(message)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _Parser(prog="python -m jaxpar.schedules",
+                     description="Build a pipeline schedule, check it, and print its table and simulated cost.")
+    parser.add_argument("--schedule", required=True, help=f"one of: {', '.join(SCHEDULES)}")
+    parser.add_argument("--stages", "-p", type=int, required=True, help="pipeline stages p")
+    parser.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches per step m")
+    parser.add_argument("--virtual-stages", "-v", type=int, default=1,
+                        help="model chunks per stage v (interleaved_1f1b only; default 1)")
+    parser.add_argument("--f-cost", type=float, default=1.0, help="forward time of one stage's layers (default 1)")
+    parser.add_argument("--b-cost", type=float, default=2.0, help="backward time of one stage's layers (default 2)")
+    parser.add_argument("--activation-bytes", type=int, default=None,
+                        help="bytes of one activation message, to report the bytes sent")
+    parser.add_argument("--png", metavar="FILE", help="also draw the schedule to FILE (needs jaxpar[plot])")
+    try:
+        args = parser.parse_args(argv)
+        if args.f_cost < 0 or args.b_cost < 0:
+            raise ScheduleError(f"--f-cost {args.f_cost:g} / --b-cost {args.b_cost:g}: costs must be >= 0; "
+                                f"pass non-negative times.")
+        schedule = validate(build(args.schedule, args.stages, args.microbatches, args.virtual_stages))
+        text = render_text(schedule, args.f_cost, args.b_cost, args.activation_bytes)
+        if args.png:
+            try:
+                render_png(schedule, args.png)
+            except OSError as e:
+                raise ScheduleError(f"cannot write --png {args.png!r} ({e.strerror or e}); pick a writable path.") from None
+    except (_UsageError, ScheduleError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    if args.png:
+        print(f"drawn to {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

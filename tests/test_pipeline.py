@@ -1,0 +1,159 @@
+"""Pipeline parallelism over `stage`: any schedule table, exact gradients, O(p) activation memory
+for 1F1B, one data-axis reduction per step after the tick loop, bubbles that never leak."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import max_abs_diff, run_reference, run_steps
+from jaxpar import model
+from jaxpar.config import ConfigError, from_dict, load_config
+from jaxpar.inspect import analyze
+from jaxpar.mesh import make_mesh
+from jaxpar.parallel.pipeline import make_pipeline_loss_and_grads, table_of
+from jaxpar.parallel.schedules import build as build_schedule
+from jaxpar.parallel.schedules import simulate
+from jaxpar.train.step import build, cross_entropy_sum, lower_step
+
+LOSS_RTOL = 1e-5   # float32 rounding (see test_parity.py)
+GRAD_ATOL = 1e-6
+PARAM_ATOL = 5e-5
+
+
+def tiny_pp(arch, stage, schedule, m, data=1, model_=1, zero=0):
+    return from_dict({
+        "model": {"arch": arch, "n_layers": 8, "d_model": 32, "n_heads": 4, "n_kv_heads": 2 if arch == "llama" else None,
+                  "d_ff": 64, "vocab_size": 64, "seq_len": 16},
+        "mesh": {"data": data, "stage": stage, "model": model_},
+        "parallel": {"schedule": schedule, "microbatches": m, "zero": zero},
+        "train": {"steps": 3, "global_batch": 2 * data * m * 2, "lr": 1e-2, "warmup_steps": 1},
+    })
+
+
+_REF = {}
+
+
+def check_parity(cfg, grads=True):
+    key = (cfg.model.arch, cfg.train.global_batch)
+    if key not in _REF:
+        _REF[key] = run_reference(cfg.replace(parallel={"microbatches": 1, "zero": 0}))
+    ref = _REF[key]
+    out = run_steps(cfg, grads=grads)
+    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=LOSS_RTOL)
+    if grads:
+        assert max_abs_diff(out["grads"], ref["grads"]) < GRAD_ATOL
+    assert max_abs_diff(out["params"], ref["params"]) < PARAM_ATOL
+
+
+# A representative third of the matrix in the default suite; the whole matrix is marked slow.
+DEFAULT = [("llama", 2, "gpipe", 2), ("gpt2", 2, "1f1b", 5), ("llama", 4, "1f1b", 8),
+           ("gpt2", 4, "1f1b_one_action", 4), ("llama", 8, "1f1b", 9), ("gpt2", 8, "gpipe", 8)]
+FULL = [(arch, p, s, m) for arch in ("llama", "gpt2") for p in (2, 4, 8)
+        for s in ("gpipe", "1f1b", "1f1b_one_action") for m in (p, 2 * p, 2 * p + 1)]
+
+
+@pytest.mark.parametrize("arch, stage, schedule, m", DEFAULT)
+def test_pipeline_matches_single_device(arch, stage, schedule, m):
+    check_parity(tiny_pp(arch, stage, schedule, m))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, stage, schedule, m", [c for c in FULL if c not in DEFAULT])
+def test_pipeline_matches_single_device_full_matrix(arch, stage, schedule, m):
+    check_parity(tiny_pp(arch, stage, schedule, m), grads=False)
+
+
+@pytest.mark.parametrize("data, stage, model_, arch, zero", [(2, 2, 2, "llama", 0), (2, 4, 1, "gpt2", 1),
+                                                             (2, 2, 2, "gpt2", 1)])
+def test_pipeline_with_data_and_tensor_parallelism(data, stage, model_, arch, zero):
+    check_parity(tiny_pp(arch, stage, "1f1b", 4, data=data, model_=model_, zero=zero))
+
+
+# ---------------------------------------------------------------------------------------------
+# Structure and memory of the compiled step
+
+
+def medium_pp(schedule, m, data=1):
+    """Same microbatch size (2 sequences) whatever m: activations per microbatch are fixed."""
+    return from_dict({
+        "model": {"n_layers": 4, "d_model": 64, "n_heads": 4, "d_ff": 128, "vocab_size": 64, "seq_len": 128},
+        "mesh": {"data": data, "stage": 4}, "parallel": {"schedule": schedule, "microbatches": m},
+        "train": {"global_batch": 2 * m * data},
+    })
+
+
+def tick_loops(compiled_text):
+    return [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', compiled_text)]
+
+
+def temp_bytes(cfg):
+    compiled, _ = lower_step(cfg, make_mesh(cfg, jax.devices()[:4 * cfg.mesh.data]))
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_activation_memory_is_bounded_by_the_pipeline_depth():
+    """1F1B's temp memory at m = 16 is within 15% of m = 4; GPipe's grows with m by exactly what
+    the simulator's peak stash predicts (one stashed chunk input per extra microbatch)."""
+    one_4, one_16 = temp_bytes(medium_pp("1f1b", 4)), temp_bytes(medium_pp("1f1b", 16))
+    gp_4, gp_16 = temp_bytes(medium_pp("gpipe", 4)), temp_bytes(medium_pp("gpipe", 16))
+    assert one_16 <= 1.15 * one_4, (one_4, one_16)
+    stash = {(s, m): max(simulate(build_schedule(s, 4, m)).peak_stash) for s in ("1f1b", "gpipe") for m in (4, 16)}
+    assert stash[("1f1b", 16)] == 2 * 4 - 1 and stash[("gpipe", 16)] == 16  # 1F1B: min(m, 2p - 1)
+    cfg = medium_pp("gpipe", 4)
+    chunk_input = 2 * cfg.model.seq_len * cfg.model.d_model * 4  # one microbatch's activation, float32
+    for name, (t4, t16) in {"1f1b": (one_4, one_16), "gpipe": (gp_4, gp_16)}.items():
+        predicted = (stash[(name, 16)] - stash[(name, 4)]) * chunk_input
+        # 5%: XLA may pad or reuse a buffer differently as shapes change; measured exactly equal.
+        assert abs((t16 - t4) - predicted) <= 0.05 * predicted, (name, t16 - t4, predicted)
+
+
+def test_tick_loop_runs_the_tables_ticks_and_no_data_collective_inside():
+    cfg = medium_pp("1f1b", 8, data=2)
+    compiled, mesh = lower_step(cfg)
+    ticks = build_schedule("1f1b", 4, 8).num_ticks()
+    assert ticks in tick_loops(compiled.as_text())
+    report = analyze(compiled, mesh)
+    inside = [c for c in report.select(spans="data", in_loop=True)]
+    assert not inside, [(c.kind, c.op_name) for c in inside]
+    # The stage hops: one forward and one backward collective-permute per tick.
+    permutes = report.select(kind="collective-permute", spans="stage")
+    assert sum(c.executions for c in permutes) == 2 * ticks
+
+
+def test_bubbles_never_leak_into_gradients():
+    """Idle slots fed NaN: gradients stay finite and equal to the normal run's."""
+    cfg = tiny_pp("llama", 4, "1f1b", 4)
+    program = build(cfg, make_mesh(cfg, jax.devices()[:4]))
+    table = table_of(build_schedule("1f1b", 4, 4))
+    poisoned = make_pipeline_loss_and_grads(cfg, program.mesh, program.layout, table,
+                                            lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size),
+                                            poison_idle=True)
+    params = model.init_params(cfg.model, jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.model.seq_len + 1), 0, 64)
+    _, clean = program.loss_and_grads(params, batch)
+    _, dirty = jax.jit(poisoned)(params, batch)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(dirty))
+    assert max_abs_diff(clean, dirty) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.n_layers=6"], "model.n_layers = 6 cannot be split evenly into mesh.stage x parallel.virtual_stages = 4 x 1"),
+    (["parallel.zero=2"], "parallel.zero = 2 is not supported with pipelining yet"),
+    (["parallel.microbatches=3", "train.global_batch=8"], "train.global_batch = 8 is not divisible by mesh.data x "
+                                                          "parallel.microbatches = 2 x 3 = 6"),
+])
+def test_pipeline_bad_input(overrides, message):
+    cfg = load_config(None, ["mesh.data=2", "mesh.stage=4", "model.n_layers=8", *overrides])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_mesh(cfg)
+
+
+def test_unknown_schedule_is_refused():
+    with pytest.raises(ConfigError, match="parallel.schedule"):
+        load_config(None, ["parallel.schedule=zigzag"])
