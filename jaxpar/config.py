@@ -389,9 +389,9 @@ def validate(cfg: Config) -> None:
     # once the data size is resolved against the devices: a wrong mesh is reported first.
 
     # What later work implements: refuse rather than silently ignore.
-    _not_yet(par.virtual_stages != 1, f"parallel.virtual_stages = {par.virtual_stages}",
-             "the executor of interleaved schedules (their tables, validator and simulator exist)",
-             "parallel.virtual_stages=1")
+    _require(par.virtual_stages == 1 or par.schedule == "interleaved_1f1b",
+             f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = interleaved_1f1b "
+             f"(got {par.schedule}); set the schedule or parallel.virtual_stages=1.")
     _not_yet(tr.checkpoint_every != 0, f"train.checkpoint_every = {tr.checkpoint_every}", "checkpointing",
              "train.checkpoint_every=0")
 
@@ -464,6 +464,12 @@ def check_stage_axis(cfg: Config, p: int) -> None:
     _require(par.zero <= 1,
              f"parallel.zero = {par.zero} is not supported with pipelining yet (mesh.stage = {p}); use "
              "parallel.zero = 0 or 1 (optimizer state sharded over data).")
+    from jaxpar.parallel.schedules import ScheduleError, build  # pure Python: builds and checks the table
+
+    try:
+        build(par.schedule, p, par.microbatches, par.virtual_stages)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_batch(cfg: Config, data: int) -> None:

@@ -341,7 +341,6 @@ def test_global_batch_must_divide_over_data_resolved_by_the_mesh():
 
 
 @pytest.mark.parametrize("override, fix", [
-    ("parallel.virtual_stages=2", "parallel.virtual_stages=1"),
     ("train.checkpoint_every=10", "train.checkpoint_every=0"),
 ])
 def test_later_features_are_not_supported_yet(override, fix):

@@ -41,11 +41,14 @@ class Table:
 
     f_valid: np.ndarray
     f_mb: np.ndarray
+    f_chunk: np.ndarray  # the stage's local chunk index (global chunk = local * p + stage)
     b_valid: np.ndarray
     b_mb: np.ndarray
-    stash: int      # stash slots per stage (peak stashed microbatches over stages)
-    fwd_slots: int  # received activations waiting for their F
-    bwd_slots: int  # received gradients waiting for their B
+    b_chunk: np.ndarray
+    chunks: int     # v: chunks per stage
+    stash: int      # stash slots per chunk (peak stashed microbatches over stages)
+    fwd_slots: int  # received activations waiting for their F, per chunk
+    bwd_slots: int  # received gradients waiting for their B, per chunk
 
     @property
     def ticks(self) -> int:
@@ -53,11 +56,11 @@ class Table:
 
 
 def table_of(schedule) -> Table:
-    """The executor's view of a `jaxpar.parallel.schedules.Schedule` (one chunk per stage)."""
+    """The executor's view of a `jaxpar.parallel.schedules.Schedule`."""
     a = schedule.to_arrays()
     buffered = schedule.peak_buffered()
-    return Table(f_valid=a["f_valid"], f_mb=a["f_mb"], b_valid=a["b_valid"], b_mb=a["b_mb"],
-                 stash=max(1, max(schedule.peak_stash())),
+    return Table(f_valid=a["f_valid"], f_mb=a["f_mb"], f_chunk=a["f_chunk"], b_valid=a["b_valid"], b_mb=a["b_mb"],
+                 b_chunk=a["b_chunk"], chunks=schedule.virtual_stages, stash=max(1, max(schedule.peak_stash())),
                  fwd_slots=max(1, max(f for f, _ in buffered)), bwd_slots=max(1, max(b for _, b in buffered)))
 
 
@@ -70,9 +73,10 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     bubbles never leak into gradients).
     """
     p, t = mesh.shape[STAGE], mesh.shape[MODEL]
+    v = table.chunks
     dp = mesh.shape[DATA] > 1
     m, L = cfg.parallel.microbatches, cfg.model.n_layers
-    chunk_cfg = dataclasses.replace(cfg.model, n_layers=L // p)
+    chunk_cfg = dataclasses.replace(cfg.model, n_layers=L // (p * v))
     model.param_names(chunk_cfg)  # build (and cache) the chunk model's abstract state outside any mesh context
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
     sp = cfg.parallel.sequence_parallel and t > 1
@@ -81,6 +85,9 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     tp = TensorParallel(t, cfg.parallel.sequence_parallel, cfg.model.n_heads, cfg.model.kv_heads) if t > 1 else None
     remat = cfg.parallel.remat
     data_axes = (DATA,) if dp else ()
+    # Interleaved chunks travel round the ring (the last stage's chunk k feeds stage 0's chunk k+1).
+    fwd_pairs = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
+    bwd_pairs = [((i + 1) % p, i) for i in range(p if v > 1 else p - 1)]
 
     def chunk_forward(blocks, shared, x_in, tokens, first):
         mdl = model.bind(chunk_cfg, {**shared, "blocks": blocks})
@@ -93,9 +100,9 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
 
     def local(params, batch):
         stage = jax.lax.axis_index(STAGE)
-        first, last = stage == 0, stage == p - 1
-        blocks = params["blocks"]
-        shared = {k: v for k, v in params.items() if k != "blocks"}
+        # This stage's v chunks, [v, layers per chunk, ...] (the blocks arrive in pipeline order).
+        blocks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), params["blocks"])
+        shared = {k: w for k, w in params.items() if k != "blocks"}
         # Unreduced inside the loop: blocks vary over `data`; shared parameters over `data` and
         # `stage` too (only the end stages use them); both are reduced once after the loop.
         if dp:
@@ -109,68 +116,102 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         def zeros(shape):  # a buffer that varies over the manual axes its contents vary on
             return jax.lax.pcast(jnp.zeros(shape, cfg.model.dtype), act_axes, to="varying")
 
-        def forward(x_in, mb):
-            y, _ = chunk_forward(blocks, shared, x_in, micro[mb, :, :-1], first)
+        def chunk_params(k):
+            return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, k, 0, keepdims=False), blocks)
+
+        def ends(k):  # does this (stage, local chunk) hold the first / the last chunk of the model?
+            return (stage == 0) & (k == 0), (stage == p - 1) & (k == v - 1)
+
+        def forward(x_in, mb, k):
+            y, _ = chunk_forward(chunk_params(k), shared, x_in, micro[mb, :, :-1], ends(k)[0])
             return y
 
-        def backward(x_in, cot, mb, no_loss):
+        def backward(x_in, cot, mb, k, no_loss):
             tokens, targets = micro[mb, :, :-1], micro[mb, :, 1:]
+            first, last = ends(k)
 
             def at_last():
                 loss, vjp = jax.vjp(lambda bl, sh, x: chunk_loss(bl, sh, x, tokens, targets, first),
-                                    blocks, shared, x_in)
+                                    chunk_params(k), shared, x_in)
                 return (*vjp(jnp.ones_like(loss)), loss)
 
             def inside():
-                y, vjp = jax.vjp(lambda bl, sh, x: chunk_forward(bl, sh, x, tokens, first)[0], blocks, shared, x_in)
+                _, vjp = jax.vjp(lambda bl, sh, x: chunk_forward(bl, sh, x, tokens, first)[0],
+                                 chunk_params(k), shared, x_in)
                 return (*vjp(cot), no_loss)
 
             return jax.lax.cond(last, at_last, inside)
 
         def tick(carry, row):
             fwd_buf, bwd_buf, stash, g_blocks, g_shared, loss_acc = carry
-            fv, fmb, bv, bmb = row["f_valid"][stage], row["f_mb"][stage], row["b_valid"][stage], row["b_mb"][stage]
+            fv, fmb, fk = row["f_valid"][stage], row["f_mb"][stage], row["f_chunk"][stage]
+            bv, bmb, bk = row["b_valid"][stage], row["b_mb"][stage], row["b_chunk"][stage]
             # B first: it reads its stash slot before this tick's F may reuse it.
-            x_b, cot = stash[bmb % table.stash], bwd_buf[bmb % table.bwd_slots]
-            x_f = fwd_buf[fmb % table.fwd_slots]
+            x_b = stash[bk * table.stash + bmb % table.stash]
+            cot = bwd_buf[bk * table.bwd_slots + bmb % table.bwd_slots]
+            f_slot = fk * table.fwd_slots + fmb % table.fwd_slots
+            x_f = fwd_buf[f_slot]
             if poison_idle:
                 x_b = jnp.where(bv > 0, x_b, jnp.nan)
                 x_f = jnp.where(fv > 0, x_f, jnp.nan)
             no_loss = zeros_like_varying(loss_acc)
             dbl, dsh, dx, loss = jax.lax.cond(
-                bv > 0, lambda: backward(x_b, cot, bmb, no_loss),
-                lambda: (jax.tree.map(zeros_like_varying, blocks), jax.tree.map(zeros_like_varying, shared),
+                bv > 0, lambda: backward(x_b, cot, bmb, bk, no_loss),
+                lambda: (jax.tree.map(zeros_like_varying, chunk_params(bk)), jax.tree.map(zeros_like_varying, shared),
                          zeros_like_varying(x_b), no_loss))
-            y = jax.lax.cond(fv > 0, lambda: forward(x_f, fmb), lambda: zeros_like_varying(x_f))
-            stash = stash.at[fmb % table.stash].set(jnp.where(fv > 0, x_f, stash[fmb % table.stash]))
-            g_blocks = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_blocks, dbl)
+            y = jax.lax.cond(fv > 0, lambda: forward(x_f, fmb, fk), lambda: zeros_like_varying(x_f))
+            s_slot = fk * table.stash + fmb % table.stash
+            stash = stash.at[s_slot].set(jnp.where(fv > 0, x_f, stash[s_slot]))
+            g_blocks = jax.tree.map(lambda a, g: a.at[bk].add(g.astype(jnp.float32)), g_blocks, dbl)
             g_shared = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_shared, dsh)
             # One hop per tick: activations to the next stage, gradients to the previous one.
-            recv_f = jax.lax.ppermute(y, STAGE, [(i, i + 1) for i in range(p - 1)])
-            recv_b = jax.lax.ppermute(dx, STAGE, [(i + 1, i) for i in range(p - 1)])
-            prev, nxt = jnp.maximum(stage - 1, 0), jnp.minimum(stage + 1, p - 1)
-            sent_f = (stage > 0) & (row["f_valid"][prev] > 0)
-            sent_b = (stage < p - 1) & (row["b_valid"][nxt] > 0)
-            sf = row["f_mb"][prev] % table.fwd_slots
-            sb = row["b_mb"][nxt] % table.bwd_slots
+            recv_f = jax.lax.ppermute(y, STAGE, fwd_pairs)
+            recv_b = jax.lax.ppermute(dx, STAGE, bwd_pairs)
+            # Which (chunk, microbatch) arrived: read off the sender's action in this tick's row.
+            prev, nxt = (stage - 1) % p, (stage + 1) % p
+            c_from = row["f_chunk"][prev] * p + prev  # global chunk the activation left
+            sent_f = (row["f_valid"][prev] > 0) & (c_from + 1 < p * v) & ((stage > 0) | (v > 1))
+            sf = ((c_from + 1) // p) * table.fwd_slots + row["f_mb"][prev] % table.fwd_slots
+            c_back = row["b_chunk"][nxt] * p + nxt  # global chunk the gradient left
+            sent_b = (row["b_valid"][nxt] > 0) & (c_back >= 1) & ((stage < p - 1) | (v > 1))
+            sb = ((c_back - 1) // p) * table.bwd_slots + row["b_mb"][nxt] % table.bwd_slots
             fwd_buf = fwd_buf.at[sf].set(jnp.where(sent_f, recv_f, fwd_buf[sf]))
             bwd_buf = bwd_buf.at[sb].set(jnp.where(sent_b, recv_b, bwd_buf[sb]))
             return (fwd_buf, bwd_buf, stash, g_blocks, g_shared, loss_acc + loss), None
 
         f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
-        carry = (zeros((table.fwd_slots, *act_shape)), zeros((table.bwd_slots, *act_shape)),
-                 zeros((table.stash, *act_shape)), f32_like(blocks), f32_like(shared),
+        carry = (zeros((v * table.fwd_slots, *act_shape)), zeros((v * table.bwd_slots, *act_shape)),
+                 zeros((v * table.stash, *act_shape)), f32_like(blocks), f32_like(shared),
                  jax.lax.pcast(jnp.zeros((), jnp.float32), (*data_axes, STAGE), to="varying"))
-        rows = {k: jnp.asarray(v) for k, v in dataclasses.asdict(table).items() if isinstance(v, np.ndarray)}
+        rows = {k: jnp.asarray(a) for k, a in dataclasses.asdict(table).items() if isinstance(a, np.ndarray)}
         with activation_rules(mesh, rules, tp=tp):
             (_, _, _, g_blocks, g_shared, loss), _ = jax.lax.scan(tick, carry, rows)
         # The one reduction per step, after the tick loop.
-        g_blocks = jax.tree.map(lambda g, w: (jax.lax.psum(g, DATA) if dp else g).astype(w.dtype), g_blocks,
-                                params["blocks"])
+        g_blocks = jax.tree.map(lambda g, w: (jax.lax.psum(g, DATA) if dp else g).reshape(w.shape).astype(w.dtype),
+                                g_blocks, params["blocks"])
         g_shared = {k: jax.tree.map(lambda g, w: jax.lax.psum(g, (*data_axes, STAGE)).astype(w.dtype), g_shared[k],
                                     params[k]) for k in g_shared}
         return jax.lax.psum(loss, (*data_axes, STAGE)), {**g_shared, "blocks": g_blocks}
 
     batch_spec = P(DATA) if dp else P()
-    return jax.shard_map(local, mesh=mesh, in_specs=(layout.manual_specs("params", manual), batch_spec),
-                         out_specs=(P(), layout.manual_specs("grads", manual)), axis_names=manual)
+    in_specs, out_specs = layout.manual_specs("params", manual), layout.manual_specs("grads", manual)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(in_specs, batch_spec), out_specs=(P(), out_specs),
+                        axis_names=manual)
+    if v == 1:
+        return run
+
+    def interleaved(params, batch):
+        # Stage s runs chunks s, s + p, ..., s + (v-1)p: reorder the canonical [layers, ...] so
+        # that each stage's contiguous slice holds them (a resharding of the block parameters
+        # over `stage` every step, and of their gradients back; see README).
+        loss, grads = run({**params, "blocks": jax.tree.map(lambda w: _reorder(w, v, p), params["blocks"])}, batch)
+        return loss, {**grads, "blocks": jax.tree.map(lambda g: _reorder(g, p, v), grads["blocks"])}
+
+    return interleaved
+
+
+def _reorder(w: jax.Array, outer: int, inner: int) -> jax.Array:
+    """[outer, inner, chunk layers, ...] -> [inner, outer, ...] along the leading `layers` dim."""
+    chunk = w.shape[0] // (outer * inner)
+    w = w.reshape(outer, inner, chunk, *w.shape[1:]).swapaxes(0, 1)
+    return w.reshape(outer * inner * chunk, *w.shape[3:])
