@@ -58,14 +58,42 @@ def machine_info() -> dict:
             "python": platform.python_version(), "date": datetime.date.today().isoformat()}
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+def time_steps(cfg, program, step_fn, warmup: int, steps: int) -> tuple[list[float], dict]:
+    """Seconds of each of `steps` steps after `warmup` untimed ones, and the last step's metrics.
+
+    Every batch is built (and on its devices) before the clock starts; each step is timed from
+    dispatch to `jax.block_until_ready` of its state and metrics."""
+    import jax
+    from jaxpar.train.data import batch_at, make_source
+
+    source = make_source(cfg)
+    state = program.init(jax.random.key(cfg.train.seed))
+    batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(warmup + steps)]
+    jax.block_until_ready((state, batches))
+    for batch in batches[:warmup]:
+        state, _ = step_fn(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for batch in batches[warmup:]:
+        t = time.perf_counter()
+        state, metrics = step_fn(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t)
+    return times, metrics
+
+
+def guarded(run, args: argparse.Namespace) -> int:
+    """Run a benchmark; a user's mistake in its config ends in one line and exit code 2."""
     from jaxpar.config import JaxparError
     try:
         return run(args)
     except JaxparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str]) -> int:
+    return guarded(run, parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,35 +108,18 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     use_cpu_devices(cfg.runtime.cpu_devices)  # before anything below starts a JAX backend
 
-    from jaxpar.train.data import batch_at, make_source
+    from jaxpar.train.data import make_source
     from jaxpar.train.step import build
 
-    source = make_source(cfg)
+    make_source(cfg)  # a data error ends here, before anything compiles
     program = build(cfg)
     mesh = {a: int(program.mesh.shape[a]) for a in ("data", "stage", "model")}
     tr = cfg.train
 
-    state = program.init(jax.random.key(tr.seed))
-    jax.block_until_ready(state)
     t = time.perf_counter()
-    step_fn = program.step.lower(state, program.abstract_batch()).compile()
+    step_fn = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
     compile_s = time.perf_counter() - t
-
-    # Every batch is built (and on its devices) before the clock starts.
-    batches = [batch_at(source, k, tr.global_batch, program.batch_sharding)
-               for k in range(args.warmup + args.steps)]
-    jax.block_until_ready(batches)
-
-    for batch in batches[:args.warmup]:
-        state, _ = step_fn(state, batch)
-    jax.block_until_ready(state)
-
-    times = []
-    for batch in batches[args.warmup:]:
-        t = time.perf_counter()
-        state, metrics = step_fn(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - t)
+    times, metrics = time_steps(cfg, program, step_fn, args.warmup, args.steps)
 
     median = statistics.median(times)
     tokens_per_step = tr.global_batch * cfg.model.seq_len

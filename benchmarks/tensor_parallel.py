@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import machine_info  # noqa: E402  (the same machine description as step_time.py)
+from step_time import guarded, machine_info  # noqa: E402  (the same machine description as step_time.py)
 from zero import wire_bytes  # noqa: E402  (the same ring estimates as zero.py)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -189,13 +189,7 @@ def markdown(rows: list[dict], machine: dict, cfg, command: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    from jaxpar.config import JaxparError
-    try:
-        return run(args)
-    except JaxparError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return guarded(run, parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import machine_info  # noqa: E402  (the same machine description as step_time.py)
+from step_time import guarded, machine_info, time_steps  # noqa: E402  (the same machine description as step_time.py)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STAGES = (0, 1, 2, 3)
@@ -103,7 +103,6 @@ def measure(cfg, args) -> dict:
     from jaxpar.inspect import analyze
     from jaxpar.model import param_shapes
     from jaxpar.parallel.zero import state_bytes
-    from jaxpar.train.data import batch_at, make_source
     from jaxpar.train.step import build
 
     program = build(cfg)
@@ -124,21 +123,7 @@ def measure(cfg, args) -> dict:
     report = analyze(compiled, mesh)
     flows = traffic(report, mesh)
 
-    source = make_source(cfg)
-    state = program.init(jax.random.key(cfg.train.seed))
-    batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding)
-               for k in range(args.warmup + args.steps)]
-    jax.block_until_ready((state, batches))
-    for batch in batches[:args.warmup]:
-        state, _ = compiled(state, batch)
-    jax.block_until_ready(state)
-    times = []
-    for batch in batches[args.warmup:]:
-        t = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - t)
-    del state, batches
+    times, metrics = time_steps(cfg, program, compiled, args.warmup, args.steps)
 
     po_formula = formula["params"] + formula["optimizer"]
     po_layout = layout["params"] + layout["optimizer"]
@@ -217,13 +202,7 @@ def markdown(rows: list[dict], machine: dict, cfg, command: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    from jaxpar.config import JaxparError
-    try:
-        return run(args)
-    except JaxparError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return guarded(run, parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
