@@ -102,6 +102,9 @@ class ParallelConfig:
     """Model chunks per pipeline device (interleaved schedule)."""
     sequence_parallel: bool = False
     """Shard norms and residual activations along `seq` over `model` (Megatron sequence parallelism)."""
+    stage_layers: tuple[int, ...] | None = None
+    """Layers per pipeline stage, e.g. [3, 5] (they sum to n_layers; one chunk per stage); null
+    splits evenly. Lighter end stages balance the embedding and the loss."""
     remat: Literal["none", "full", "dots"] = "none"
     """Rematerialization of each block: none, full (recompute everything), dots (save matmul outputs)."""
 
@@ -160,7 +163,10 @@ class Config:
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain nested values (tuples as lists), as YAML holds them."""
+        def plain(x: Any) -> Any:
+            return {k: plain(v) for k, v in x.items()} if isinstance(x, dict) else list(x) if isinstance(x, tuple) else x
+        return plain(dataclasses.asdict(self))
 
     def replace(self, **sections: Any) -> "Config":
         """`cfg.replace(train={"steps": 3})`: a copy with some fields of some sections changed."""
@@ -208,6 +214,8 @@ def _describe(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}.get(typing.get_args(tp)[0], "values")
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
             type(None): "null"}.get(tp, str(tp))
 
@@ -227,6 +235,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     elif tp is type(None):
         if value is None:
             return None
+    elif origin is tuple:  # tuple[int, ...]: a YAML list
+        if isinstance(value, (list, tuple)):
+            return tuple(_coerce(f"{key}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value))
     elif tp is bool:
         if isinstance(value, bool):
             return value
@@ -458,9 +469,22 @@ def check_stage_axis(cfg: Config, p: int) -> None:
         return
     m, par = cfg.model, cfg.parallel
     chunks = p * par.virtual_stages
-    _require(m.n_layers % chunks == 0,
+    if par.stage_layers is not None:
+        counts = par.stage_layers
+        _require(len(counts) == p and par.virtual_stages == 1,
+                 f"parallel.stage_layers = {list(counts)} must give one layer count per stage (mesh.stage = {p}) "
+                 f"with parallel.virtual_stages = 1; give {p} counts or remove it.")
+        _require(min(counts) >= 1 and sum(counts) == m.n_layers,
+                 f"parallel.stage_layers = {list(counts)} must be positive counts that sum to model.n_layers = "
+                 f"{m.n_layers}; fix the counts.")
+        _require(m.n_layers % p == 0,
+                 f"model.n_layers = {m.n_layers} must be divisible by mesh.stage = {p} even with "
+                 f"parallel.stage_layers: the parameters are stored evenly split over stages; choose n_layers "
+                 f"as a multiple of {p}.")
+    _require(par.stage_layers is not None or m.n_layers % chunks == 0,
              f"model.n_layers = {m.n_layers} cannot be split evenly into mesh.stage x parallel.virtual_stages "
-             f"= {p} x {par.virtual_stages} = {chunks} pipeline chunks; choose n_layers as a multiple of {chunks}.")
+             f"= {p} x {par.virtual_stages} = {chunks} pipeline chunks; choose n_layers as a multiple of {chunks}, "
+             f"or give parallel.stage_layers.")
     _require(par.zero <= 1,
              f"parallel.zero = {par.zero} is not supported with pipelining yet (mesh.stage = {p}); use "
              "parallel.zero = 0 or 1 (optimizer state sharded over data).")

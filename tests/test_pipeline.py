@@ -73,6 +73,13 @@ def test_pipeline_with_data_and_tensor_parallelism(data, stage, model_, arch, ze
     check_parity(tiny_pp(arch, stage, schedule, 4, data=data, model_=model_, zero=zero))
 
 
+@pytest.mark.parametrize("counts, data", [((3, 5), 2), ((1, 3, 3, 1), 1)])
+def test_explicit_layers_per_stage(counts, data):
+    """Lighter end stages (they also run the embedding and the loss): padded slots pass through."""
+    cfg = tiny_pp("gpt2", len(counts), "1f1b", 4, data=data)
+    check_parity(cfg.replace(parallel={"stage_layers": list(counts)}))
+
+
 # ---------------------------------------------------------------------------------------------
 # Structure and memory of the compiled step
 
@@ -150,6 +157,9 @@ def test_bubbles_never_leak_into_gradients():
     (["parallel.zero=2"], "parallel.zero = 2 is not supported with pipelining yet"),
     (["parallel.microbatches=3", "train.global_batch=8"], "train.global_batch = 8 is not divisible by mesh.data x "
                                                           "parallel.microbatches = 2 x 3 = 6"),
+    (["parallel.stage_layers=[2, 2, 2]"], "parallel.stage_layers = [2, 2, 2] must give one layer count per stage"),
+    (["parallel.stage_layers=[1, 1, 1, 1]"], "parallel.stage_layers = [1, 1, 1, 1] must be positive counts that sum "
+                                             "to model.n_layers = 8"),
     (["parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2", "parallel.microbatches=2",
       "train.global_batch=16"], "microbatches=2 is fewer than stages=4: interleaved_1f1b needs"),
     (["parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=4", "parallel.microbatches=4",

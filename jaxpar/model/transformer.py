@@ -63,10 +63,11 @@ class Transformer(nnx.Module):
             x_BxTxD = x_BxTxD + local_seq(self.pos_embed[:tokens_BxT.shape[1]].astype(cfg.dtype))[None]
         return constrain(x_BxTxD, ("batch", "sp_seq", "embed"))
 
-    def backbone(self, x_BxTxD: jax.Array, *, remat: str = "none") -> jax.Array:
-        """All blocks, scanned over `layers`."""
+    def backbone(self, x_BxTxD: jax.Array, *, remat: str = "none", n_active: jax.Array | None = None) -> jax.Array:
+        """All blocks, scanned over `layers` (only the first `n_active` of them, when given: the
+        rest pass x through, e.g. padding layers of a pipeline stage that holds fewer layers)."""
         cfg = self.cfg
-        return run_blocks(self.blocks, x_BxTxD, remat, _block_names(cfg))
+        return run_blocks(self.blocks, x_BxTxD, remat, _block_names(cfg), n_active)
 
     def head(self, x_BxTxD: jax.Array) -> jax.Array:
         """Final norm and output projection: logits [B, T, V] in float32 (this rank's slice of the
@@ -80,21 +81,25 @@ class Transformer(nnx.Module):
         return constrain(logits_BxTxV, ("batch", "seq", "vocab"))
 
 
-def run_blocks(blocks: Block, x_BxTxD: jax.Array, remat: str, names: Any) -> jax.Array:
+def run_blocks(blocks: Block, x_BxTxD: jax.Array, remat: str, names: Any, n_active: jax.Array | None = None
+               ) -> jax.Array:
     """Scan `x` through stacked `blocks` (params with a leading `layers` dim, one layer's dims named
-    by `names`)."""
+    by `names`); layers at index >= `n_active` (if given) leave x unchanged."""
     graphdef, state = nnx.split(blocks)
     template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
+    n_layers = jax.tree.leaves(state)[0].shape[0]
 
-    def body(x, layer_params):
+    def body(x, inputs):
+        layer_params, i = inputs
         # This layer's parameters enter here: under data parallelism their gradients are reduced
         # at this point of the backward pass, one layer at a time, overlapping the next layer.
         layer_state = jax.tree.map(lambda v: v, template)
         nnx.replace_by_pure_dict(layer_state, use_params(layer_params, names))
-        return nnx.merge(graphdef, layer_state)(x), None
+        y = nnx.merge(graphdef, layer_state)(x)
+        return (y if n_active is None else jnp.where(i < n_active, y, x)), None
 
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, nnx.to_pure_dict(state))
+    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (nnx.to_pure_dict(state), jnp.arange(n_layers)))
     return x_BxTxD
 
 

@@ -76,7 +76,11 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     v = table.chunks
     dp = mesh.shape[DATA] > 1
     m, L = cfg.parallel.microbatches, cfg.model.n_layers
-    chunk_cfg = dataclasses.replace(cfg.model, n_layers=L // (p * v))
+    counts = cfg.parallel.stage_layers
+    uneven = counts is not None and len(set(counts)) > 1
+    # Uneven stages hold max(counts) layer slots each; the slots past a stage's count are padding
+    # that passes activations through (`n_active`) and receives no gradient.
+    chunk_cfg = dataclasses.replace(cfg.model, n_layers=max(counts) if uneven else L // (p * v))
     model.param_names(chunk_cfg)  # build (and cache) the chunk model's abstract state outside any mesh context
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
     sp = cfg.parallel.sequence_parallel and t > 1
@@ -92,7 +96,8 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     def chunk_forward(blocks, shared, x_in, tokens, first):
         mdl = model.bind(chunk_cfg, {**shared, "blocks": blocks})
         x = jnp.where(first, mdl.embed_tokens(tokens), x_in)
-        return mdl.backbone(x, remat=remat), mdl
+        n_active = jnp.asarray(counts)[jax.lax.axis_index(STAGE)] if uneven else None
+        return mdl.backbone(x, remat=remat, n_active=n_active), mdl
 
     def chunk_loss(blocks, shared, x_in, tokens, targets, first):
         y, mdl = chunk_forward(blocks, shared, x_in, tokens, first)
@@ -197,6 +202,16 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     in_specs, out_specs = layout.manual_specs("params", manual), layout.manual_specs("grads", manual)
     run = jax.shard_map(local, mesh=mesh, in_specs=(in_specs, batch_spec), out_specs=(P(), out_specs),
                         axis_names=manual)
+    if uneven:
+        slots, layer_slot = _padded_layout(counts)
+
+        def padded(params, batch):
+            # Stage s holds its counts[s] layers in max(counts) slots: a gather of the canonical
+            # [layers, ...] blocks (resharded over `stage` every step), and back for the gradients.
+            loss, grads = run({**params, "blocks": jax.tree.map(lambda w: w[slots], params["blocks"])}, batch)
+            return loss, {**grads, "blocks": jax.tree.map(lambda g: g[layer_slot], grads["blocks"])}
+
+        return padded
     if v == 1:
         return run
 
@@ -208,6 +223,16 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         return loss, {**grads, "blocks": jax.tree.map(lambda g: _reorder(g, p, v), grads["blocks"])}
 
     return interleaved
+
+
+def _padded_layout(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """For layer counts per stage: the canonical layer held by each of the p x max(counts) slots
+    (padding slots repeat the stage's last layer, so they hold finite values), and the slot of
+    each canonical layer."""
+    width, starts = max(counts), np.cumsum((0, *counts[:-1]))
+    slots = np.array([starts[s] + min(i, c - 1) for s, c in enumerate(counts) for i in range(width)])
+    layer_slot = np.array([s * width + i for s, c in enumerate(counts) for i in range(c)])
+    return slots, layer_slot
 
 
 def _reorder(w: jax.Array, outer: int, inner: int) -> jax.Array:
