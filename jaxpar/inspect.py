@@ -436,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxpar.config import JaxparError, load_config
     try:
         config = load_config(args.config, args.set)
+        from jaxpar.mesh import use_cpu_devices
+        use_cpu_devices(config.runtime.cpu_devices)  # before anything starts a JAX backend
         from jaxpar.train import lower_step
         compiled, mesh = lower_step(config)
     except JaxparError as e:  # a mistake the user can fix (ConfigError and kin): no traceback
@@ -446,7 +448,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(report.to_dict()))
         return 0
     from rich.console import Console
-    console = Console()
+    console = Console(soft_wrap=True)
+    if not console.is_terminal:  # piped to a file or a pager: room for the op names
+        console = Console(soft_wrap=True, width=200)
     mib = {k: v / 2**20 for k, v in dataclasses.asdict(report.memory).items()}
     console.print(f"mesh {dict(mesh.shape)}; memory per device: "
                   + ", ".join(f"{k.removesuffix('_bytes')} {v:.2f} MiB" for k, v in mib.items()))
