@@ -194,3 +194,19 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, argv):
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and not captured.out
+
+
+def test_declared_stash_is_kept_and_checked():
+    """Every built table keeps the stash it declares (1F1B: min(m, 2(p-s)-1), whatever m), and a
+    table declaring less than it holds is rejected."""
+    import dataclasses
+
+    from jaxpar.parallel.schedules import ScheduleError, build, validate
+    for p in (1, 2, 4, 8):
+        for m in (1, p, 4 * p + 1):
+            for name in ("gpipe", "1f1b", "1f1b_one_action"):
+                validate(build(name, p, m))
+    assert build("1f1b", 4, 32).declared_stash == (7, 5, 3, 1)
+    broken = dataclasses.replace(build("1f1b", 4, 8), declared_stash=(6, 5, 3, 1))
+    with pytest.raises(ScheduleError, match="stage 0 holds 7 stashed chunk inputs .* more than the 6"):
+        validate(broken)

@@ -60,7 +60,8 @@ def table_of(schedule) -> Table:
     a = schedule.to_arrays()
     buffered = schedule.peak_buffered()
     return Table(f_valid=a["f_valid"], f_mb=a["f_mb"], f_chunk=a["f_chunk"], b_valid=a["b_valid"], b_mb=a["b_mb"],
-                 b_chunk=a["b_chunk"], chunks=schedule.virtual_stages, stash=max(1, max(schedule.peak_stash())),
+                 b_chunk=a["b_chunk"], chunks=schedule.virtual_stages,
+                 stash=max(1, max(schedule.declared_stash or schedule.peak_stash())),
                  fwd_slots=max(1, max(f for f, _ in buffered)), bwd_slots=max(1, max(b for _, b in buffered)))
 
 

@@ -49,6 +49,9 @@ class Schedule:
     microbatches: int
     virtual_stages: int
     ticks: tuple[tuple[tuple[Action, ...], ...], ...]
+    # The most chunk inputs each stage may hold stashed, as the schedule promises it (the
+    # executor allocates that many slots; `validate` checks the table keeps the promise).
+    declared_stash: tuple[int, ...] | None = None
 
     def stage_of(self, chunk: int) -> int:
         return chunk % self.stages
@@ -156,7 +159,8 @@ def gpipe(p: int, m: int) -> Schedule:
     _check_sizes("gpipe", p, m, 1)
     programs = [[Action("F", j, s) for j in range(m)] + [Action("B", j, s) for j in range(m)]
                 for s in range(p)]
-    return _list_schedule("gpipe", p, m, 1, programs, one_action=True)
+    return dataclasses.replace(_list_schedule("gpipe", p, m, 1, programs, one_action=True),
+                               declared_stash=(m,) * p)
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
@@ -165,7 +169,8 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     min(m, 2(p-s)-1) microbatches (at most 2p-1, whatever m)."""
     _check_sizes("1f1b", p, m, 1)
     programs = [[Action(k, j, s) for k in "FB" for j in range(m)] for s in range(p)]
-    return _list_schedule("1f1b", p, m, 1, programs, one_action=False)
+    return dataclasses.replace(_list_schedule("1f1b", p, m, 1, programs, one_action=False),
+                               declared_stash=tuple(min(m, 2 * (p - s) - 1) for s in range(p)))
 
 
 def one_f_one_b_one_action(p: int, m: int) -> Schedule:
@@ -181,7 +186,8 @@ def one_f_one_b_one_action(p: int, m: int) -> Schedule:
         for j in range(m - warm):
             prog += [Action("F", warm + j, s), Action("B", j, s)]
         programs.append(prog + [Action("B", j, s) for j in range(m - warm, m)])
-    return _list_schedule("1f1b_one_action", p, m, 1, programs, one_action=True)
+    return dataclasses.replace(_list_schedule("1f1b_one_action", p, m, 1, programs, one_action=True),
+                               declared_stash=tuple(min(m, p - s) for s in range(p)))
 
 
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
@@ -207,7 +213,8 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
         fwd = [Action("F", j, k * p + s) for grp in groups for k in range(v) for j in grp]
         bwd = [Action("B", j, k * p + s) for grp in groups for k in reversed(range(v)) for j in grp]
         programs.append(fwd + bwd)
-    return _list_schedule("interleaved_1f1b", p, m, v, programs, one_action=False)
+    sched = _list_schedule("interleaved_1f1b", p, m, v, programs, one_action=False)
+    return dataclasses.replace(sched, declared_stash=tuple(sched.peak_stash()))  # no closed form with m % p != 0
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
@@ -230,7 +237,8 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
 def validate(schedule: Schedule) -> Schedule:
     """Check `schedule` against the execution model; return it, or raise ScheduleError naming the
     first broken rule: action shape and placement, one F and one B per stage per tick, every
-    (microbatch, chunk) with exactly one F and one B, every send received, dependency order."""
+    (microbatch, chunk) with exactly one F and one B, every send received, dependency order, and
+    no stage stashing more chunk inputs than the table declares."""
     sc, p, m = schedule, schedule.stages, schedule.microbatches
     nc = sc.chunks
     if p < 1 or m < 1 or sc.virtual_stages < 1:
@@ -281,6 +289,11 @@ def validate(schedule: Schedule) -> Schedule:
                 raise ScheduleError(f"{Action(kind, mb, c)} runs at tick {t}, but its input from "
                                     f"{Action(*dep)} (tick {when[dep]}) arrives only at tick "
                                     f"{when[dep] + 1}: dependency order is broken.")
+    if sc.declared_stash is not None:
+        for stage, (held, promised) in enumerate(zip(sc.peak_stash(), sc.declared_stash)):
+            if held > promised:
+                raise ScheduleError(f"stage {stage} holds {held} stashed chunk inputs at its peak, more than "
+                                    f"the {promised} the table declares; declare {held} or reorder the table.")
     return sc
 
 
