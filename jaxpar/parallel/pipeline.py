@@ -96,7 +96,9 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
 
     def chunk_forward(blocks, shared, x_in, tokens, first):
         mdl = model.bind(chunk_cfg, {**shared, "blocks": blocks})
-        x = jnp.where(first, mdl.embed_tokens(tokens), x_in)
+        # Only the first chunk embeds (a cond, not a select: under tensor parallelism the lookup
+        # ends in a collective that the other stages must not pay for).
+        x = jax.lax.cond(first, lambda: mdl.embed_tokens(tokens), lambda: x_in)
         n_active = jnp.asarray(counts)[jax.lax.axis_index(STAGE)] if uneven else None
         return mdl.backbone(x, remat=remat, n_active=n_active), mdl
 
