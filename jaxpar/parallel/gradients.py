@@ -114,6 +114,9 @@ def _reduce(g: jax.Array, dim: int | None) -> jax.Array:
 def describe_reduction(cfg: Config) -> str:
     """Where the data-axis gradient reduction happens for this config, in words (for the CLI)."""
     zero, m = cfg.parallel.zero, cfg.parallel.microbatches
+    if cfg.mesh.stage != 1:
+        return (f"pipeline: accumulated in float32 over {m} microbatches, all-reduced over data once "
+                "after the tick loop")
     if zero == 3:
         return "ZeRO-3: parameters all-gathered per layer where used; gradients reduce-scattered there" + (
             f", once per microbatch ({m})" if m > 1 else "")
