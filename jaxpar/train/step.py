@@ -138,7 +138,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         # parameters are then all-gathered to their (replicated) storage layout by out_shardings.
         updates = jax.lax.with_sharding_constraint(updates, moment_shardings)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(g), "lr": schedule(state.step)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(g), "lr": schedule(state.step)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return Program(
