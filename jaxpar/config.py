@@ -26,13 +26,6 @@ class ConfigError(JaxparError, ValueError):
     """An invalid configuration value, key or file."""
 
 
-# Values that later work implements. They are accepted by the parser and refused by `validate`
-# with a "not supported yet" error, never silently ignored.
-SCHEDULES = ("gpipe", "1f1b", "1f1b_one_action", "interleaved_1f1b")
-REMAT_POLICIES = ("none", "full", "dots")
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     arch: Literal["llama", "gpt2"] = "llama"

@@ -114,12 +114,6 @@ def zeros_like_varying(x: jax.Array) -> jax.Array:
     return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
 
 
-def named_shardings(mesh: Mesh, rules: Rules, names_tree: Any) -> Any:
-    """Map a pytree of logical-name tuples to a pytree of NamedShardings."""
-    return jax.tree.map(lambda names: NamedSharding(mesh, rules.spec(names)), names_tree,
-                        is_leaf=lambda x: isinstance(x, tuple))
-
-
 # --------------------------------------------------------------------------------------------
 # Marks the model makes: activations (`constrain`) and parameters about to be used (`use_params`)
 

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config
 from jaxpar.parallel.zero import Layout
-from jaxpar.sharding import TensorParallel, activation_rules, compute_rules, varying_axes
+from jaxpar.sharding import Rules, TensorParallel, activation_rules, compute_rules, varying_axes
 
 DATA, MODEL = "data", "model"
 
@@ -46,6 +46,16 @@ def _gather_or_vary(layout: Layout) -> Callable:
     return use
 
 
+def manual_region(cfg: Config, mesh: Mesh, *always: str) -> tuple[set[str], Rules, TensorParallel | None]:
+    """The manual axes of a shard_map computing the loss (`always`, plus `data` and `model` where
+    they have more than one shard), the compute rules left for the automatic axes, and the
+    tensor-parallel context when `model` is manual."""
+    t = mesh.shape[MODEL]
+    manual = set(always) | ({DATA} if mesh.shape[DATA] > 1 else set()) | ({MODEL} if t > 1 else set())
+    tp = TensorParallel(t, cfg.parallel.sequence_parallel, cfg.model.n_heads, cfg.model.kv_heads) if t > 1 else None
+    return manual, compute_rules(cfg, mesh).without(tuple(manual)), tp
+
+
 def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callable) -> Callable:
     """`(params, batch) -> (loss, grads)` on the global batch, with params and grads laid out by
     `layout`. `loss_fn(params, batch_rows, n_tokens)` is the summed loss of some rows divided by
@@ -59,10 +69,8 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     """
     zero, m = layout.zero, cfg.parallel.microbatches
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
-    dp, t = mesh.shape[DATA] > 1, mesh.shape[MODEL]
-    manual = ({DATA} if dp else set()) | ({MODEL} if t > 1 else set())
-    rules = compute_rules(cfg, mesh).without(tuple(manual))
-    tp = TensorParallel(t, cfg.parallel.sequence_parallel, cfg.model.n_heads, cfg.model.kv_heads) if t > 1 else None
+    dp = mesh.shape[DATA] > 1
+    manual, rules, tp = manual_region(cfg, mesh)
     reduce_at_use = zero in (0, 1) and m == 1
     param_fn = _gather_or_vary(layout) if zero == 3 else _varying if reduce_at_use else None
     param_fn = param_fn if dp else None

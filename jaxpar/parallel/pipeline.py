@@ -30,7 +30,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.parallel.zero import Layout
-from jaxpar.sharding import TensorParallel, activation_rules, compute_rules, zeros_like_varying
+from jaxpar.parallel.gradients import manual_region
+from jaxpar.sharding import activation_rules, zeros_like_varying
 
 DATA, STAGE, MODEL = "data", "stage", "model"
 
@@ -85,9 +86,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     model.param_names(chunk_cfg)  # build (and cache) the chunk model's abstract state outside any mesh context
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
     sp = cfg.parallel.sequence_parallel and t > 1
-    manual = {STAGE} | ({DATA} if dp else set()) | ({MODEL} if t > 1 else set())
-    rules = compute_rules(cfg, mesh).without(tuple(manual))
-    tp = TensorParallel(t, cfg.parallel.sequence_parallel, cfg.model.n_heads, cfg.model.kv_heads) if t > 1 else None
+    manual, rules, tp = manual_region(cfg, mesh, STAGE)
     remat = cfg.parallel.remat
     data_axes = (DATA,) if dp else ()
     # Interleaved chunks travel round the ring (the last stage's chunk k feeds stage 0's chunk k+1).
