@@ -57,6 +57,12 @@ class ModelConfig:
     """RoPE base frequency (llama only)."""
     init_std: float = 0.02
     """Standard deviation of the normal initializer of weight matrices."""
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+    """Attention kernel: auto (cuDNN's fused kernel on GPU when shapes and dtypes allow, else XLA),
+    xla (the reference einsum-softmax path), cudnn (fail if cuDNN cannot run it)."""
+    init_from: str | None = None
+    """A local Hugging Face model folder (config.json + *.safetensors) to start from (fine-tuning);
+    its shapes must match this model section. Null initializes at random from train.seed."""
 
     @property
     def kv_heads(self) -> int:
@@ -100,6 +106,11 @@ class ParallelConfig:
     splits evenly. Lighter end stages balance the embedding and the loss."""
     remat: Literal["none", "full", "dots"] = "none"
     """Rematerialization of each block: none, full (recompute everything), dots (save matmul outputs)."""
+    zero3_gather: Literal["microbatch", "step"] = "microbatch"
+    """Where ZeRO-3 all-gathers parameters when a step runs several microbatches (accumulation or a
+    pipeline): microbatch (per layer, in every forward and backward pass: least memory, most traffic)
+    or step (each layer once per step, kept for the step: the memory of this stage's whole
+    parameters, the traffic of one gather)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +140,29 @@ class TrainConfig:
     log_every: int = 10
     """Log metrics every this many steps (and at the last step)."""
     checkpoint_every: int = 0
-    """Save a checkpoint every this many steps; 0 disables checkpoints."""
+    """Save a checkpoint (orbax, under run_dir/checkpoints) every this many steps and at the last
+    step; 0 disables periodic checkpoints (a SIGTERM/SIGINT or a stop on NaN still saves one)."""
+    keep_checkpoints: int = 3
+    """Keep the newest this many checkpoints; older ones are deleted once a newer one is complete."""
+    async_checkpoint: bool = True
+    """Write checkpoints in the background while training continues."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from the latest valid checkpoint in run_dir when there is one; never: start
+    afresh (refused when run_dir already holds checkpoints, so none is overwritten)."""
+    on_nan: Literal["skip", "stop"] = "stop"
+    """A non-finite loss or gradient: skip (drop that update, count it in metrics, go on) or stop
+    (save the last good state and exit non-zero)."""
+    eval_every: int = 0
+    """Compute the validation loss every this many steps and at the last step; 0 disables it."""
+    eval_batches: int = 4
+    """Batches of train.global_batch sequences per validation (the same ones every time)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     source: str = "synthetic"
-    """`synthetic` (a seeded Markov language) or the path of a flat binary token file (`.bin`)."""
+    """`synthetic` (a seeded Markov language), the path of a flat binary token file (`.bin`), or a
+    directory written by `python -m jaxpar.data prepare` (its train split; its val split for eval)."""
     dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of a token file."""
 
@@ -144,6 +171,13 @@ class DataConfig:
 class RuntimeConfig:
     cpu_devices: int | None = None
     """Simulate this many devices on the CPU (set before JAX starts a backend); null leaves JAX's default."""
+    coordinator: str | None = None
+    """`host:port` of process 0 for a multi-process run (with num_processes and process_id); null
+    lets jax.distributed detect a launcher (SLURM, Open MPI, Kubernetes) or runs one process."""
+    num_processes: int | None = None
+    """Number of processes of a multi-process run (with coordinator and process_id)."""
+    process_id: int | None = None
+    """This process's index in 0 .. num_processes - 1 (with coordinator and num_processes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,8 +420,24 @@ def validate(cfg: Config) -> None:
     _require(tr.weight_decay >= 0, f"train.weight_decay = {tr.weight_decay} must not be negative; set e.g. 0.1, or 0 to disable it.")
     _require(tr.log_every >= 1, f"train.log_every = {tr.log_every} must be at least 1; set it to 1 or more.")
     _require(tr.checkpoint_every >= 0, f"train.checkpoint_every = {tr.checkpoint_every} must not be negative; set it to 0 to disable checkpoints.")
-    _require(cfg.runtime.cpu_devices is None or cfg.runtime.cpu_devices >= 1,
-             f"runtime.cpu_devices = {cfg.runtime.cpu_devices} must be at least 1; set a device count, or null.")
+    _require(tr.keep_checkpoints >= 1, f"train.keep_checkpoints = {tr.keep_checkpoints} must be at least 1; "
+                                       "set it to the number of checkpoints to keep.")
+    _require(tr.eval_every >= 0, f"train.eval_every = {tr.eval_every} must not be negative; set it to 0 to disable evaluation.")
+    _require(tr.eval_batches >= 1, f"train.eval_batches = {tr.eval_batches} must be at least 1; set it to 1 or more.")
+    rt = cfg.runtime
+    _require(rt.cpu_devices is None or rt.cpu_devices >= 1,
+             f"runtime.cpu_devices = {rt.cpu_devices} must be at least 1; set a device count, or null.")
+    given = {k: getattr(rt, k) for k in ("coordinator", "num_processes", "process_id")}
+    _require(all(v is None for v in given.values()) or all(v is not None for v in given.values()),
+             "runtime.coordinator, runtime.num_processes and runtime.process_id go together, but only "
+             f"{', '.join(k for k, v in given.items() if v is not None)} is set; set all three or none.")
+    if rt.num_processes is not None:
+        _require(rt.num_processes >= 1, f"runtime.num_processes = {rt.num_processes} must be at least 1; set the process count.")
+        _require(0 <= rt.process_id < rt.num_processes,
+                 f"runtime.process_id = {rt.process_id} must lie in 0 .. runtime.num_processes - 1 = "
+                 f"{rt.num_processes - 1}; give each process its own index.")
+        _require(":" in rt.coordinator, f"runtime.coordinator = {rt.coordinator!r} must be host:port of process 0, "
+                                        "e.g. localhost:12355.")
 
     # The batch's divisibility over data x microbatches is checked with the mesh (`check_batch`),
     # once the data size is resolved against the devices: a wrong mesh is reported first.
@@ -398,6 +448,11 @@ def validate(cfg: Config) -> None:
              f"(got {par.schedule}); set the schedule or parallel.virtual_stages=1.")
     _not_yet(tr.checkpoint_every != 0, f"train.checkpoint_every = {tr.checkpoint_every}", "checkpointing",
              "train.checkpoint_every=0")
+    _not_yet(tr.eval_every != 0, f"train.eval_every = {tr.eval_every}", "evaluation", "train.eval_every=0")
+    _not_yet(m.init_from is not None, f"model.init_from = {m.init_from!r}", "Hugging Face import",
+             "model.init_from=null")
+    _not_yet(rt.num_processes is not None, f"runtime.num_processes = {rt.num_processes}", "multi-process runs",
+             "runtime.num_processes=null")
 
 
 def _not_yet(cond: bool, what: str, feature: str, fix: str) -> None:

@@ -89,6 +89,7 @@ class Attention(nnx.Module):
         # Residual-branch outputs scaled by 1/sqrt(2L) so the residual stream's variance stays O(1) (GPT-2).
         out_std = std / math.sqrt(2 * cfg.n_layers)
         self.arch, self.dtype, self.head_dim, self.rope_theta = cfg.arch, cfg.dtype, H, cfg.rope_theta
+        self.implementation = None if cfg.attention == "auto" else cfg.attention
         self.wq = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), pd, std)
         self.wk = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd, std)
         self.wv = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd, std)
@@ -115,9 +116,10 @@ class Attention(nnx.Module):
         q_BxTxNxH = constrain(q_BxTxNxH, ("batch", "seq", "heads", "head_dim"))
         k_BxTxKxH = constrain(local_kv_heads(k_BxTxKxH), ("batch", "seq", "kv_heads", "head_dim"))
         v_BxTxKxH = constrain(local_kv_heads(v_BxTxKxH), ("batch", "seq", "kv_heads", "head_dim"))
-        # jax.nn.dot_product_attention handles GQA (N a multiple of K) and picks cuDNN's fused
-        # kernel on GPU when shapes and dtypes allow; XLA's reference path elsewhere.
-        o_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True)
+        # jax.nn.dot_product_attention handles GQA (N a multiple of K); with `implementation=None`
+        # (model.attention = auto) it picks cuDNN's fused kernel on GPU when shapes and dtypes allow.
+        o_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
+                                                 implementation=self.implementation)
         o_BxTxNxH = constrain(o_BxTxNxH, ("batch", "seq", "heads", "head_dim"))
         # Row-parallel: each model rank holds a partial sum until `exit_tp`; the bias comes after.
         out_BxTxD = exit_tp(jnp.einsum("btnh,nhd->btd", o_BxTxNxH, self.wo[...].astype(dt)))
