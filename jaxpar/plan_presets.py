@@ -1,0 +1,73 @@
+"""Presets of `python -m jaxpar.plan`: published model shapes and GPU datasheet figures.
+
+Model presets are shapes only (the `model` section of a config, plus a typical global batch);
+hardware presets are the vendor's datasheet numbers, named as such: dense (no sparsity) tensor-core
+peaks, and per-GPU, per-direction link bandwidths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One accelerator model and how its nodes are wired."""
+
+    name: str
+    memory_bytes: int
+    """HBM per device, as the datasheet states it (decimal GB)."""
+    peak_flops: float
+    """Dense bf16/fp16 tensor-core peak, FLOP/s."""
+    peak_flops_fp32: float
+    """Dense TF32 tensor-core peak, FLOP/s (what XLA uses for float32 matmuls on these GPUs)."""
+    intra_node_bw: float
+    """NVLink bytes/s one GPU sends in one direction (half the datasheet's bidirectional figure)."""
+    inter_node_bw: float
+    """InfiniBand bytes/s per GPU in one direction (one NIC per GPU)."""
+    node_size: int = 8
+    """GPUs per node (one NVLink domain)."""
+
+
+GB = 10**9
+
+HARDWARE = {
+    # NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 156 TF32 dense, NVLink 3 600 GB/s bidirectional,
+    # HDR InfiniBand 200 Gb/s per GPU.
+    "a100-40gb": Hardware("A100-SXM4-40GB", 40 * GB, 312e12, 156e12, 300e9, 25e9),
+    "a100-80gb": Hardware("A100-SXM4-80GB", 80 * GB, 312e12, 156e12, 300e9, 25e9),
+    # NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), 494 TF32 dense,
+    # NVLink 4 900 GB/s bidirectional, NDR InfiniBand 400 Gb/s per GPU.
+    "h100-80gb": Hardware("H100-SXM5-80GB", 80 * GB, 989e12, 494e12, 450e9, 50e9),
+    # NVIDIA H200 SXM datasheet: H100's compute and NVLink, 141 GB HBM3e.
+    "h200-141gb": Hardware("H200-SXM-141GB", 141 * GB, 989e12, 494e12, 450e9, 50e9),
+}
+
+
+def _model(arch, L, D, N, F, V, S, K=None, theta=10000.0, batch=512):
+    return {"model": {"arch": arch, "n_layers": L, "d_model": D, "n_heads": N, "n_kv_heads": K, "d_ff": F,
+                      "vocab_size": V, "seq_len": S, "dtype": "bfloat16", "rope_theta": theta},
+            "train": {"global_batch": batch}}
+
+
+# name -> (description, config sections). Batches are typical of each model's published run,
+# in sequences (about 0.5M tokens for GPT-2, 1-4M for the larger models).
+MODELS = {
+    "gpt2-small": ("GPT-2 small (124M)", _model("gpt2", 12, 768, 12, 3072, 50257, 1024)),
+    "gpt2-medium": ("GPT-2 medium (350M)", _model("gpt2", 24, 1024, 16, 4096, 50257, 1024)),
+    "gpt2-large": ("GPT-2 large (774M)", _model("gpt2", 36, 1280, 20, 5120, 50257, 1024)),
+    "gpt2-xl": ("GPT-2 XL (1.5B)", _model("gpt2", 48, 1600, 25, 6400, 50257, 1024)),
+    "llama-1b": ("Llama-3.2-1B shape", _model("llama", 16, 2048, 32, 8192, 128256, 2048, K=8, theta=500000.0,
+                                              batch=512)),
+    "llama-7b": ("Llama-2-7B shape", _model("llama", 32, 4096, 32, 11008, 32000, 4096, batch=1024)),
+    "llama-13b": ("Llama-2-13B shape", _model("llama", 40, 5120, 40, 13824, 32000, 4096, batch=1024)),
+    "llama-70b": ("Llama-3-70B shape", _model("llama", 80, 8192, 64, 28672, 128256, 8192, K=8, theta=500000.0,
+                                              batch=512)),
+    "llama-405b": ("Llama-3.1-405B shape", _model("llama", 126, 16384, 128, 53248, 128256, 8192, K=8,
+                                                  theta=500000.0, batch=2048)),
+    "gpt3-175b": ("GPT-3 175B", _model("gpt2", 96, 12288, 96, 49152, 50257, 2048, batch=1536)),
+    # Megatron-LM's 1T configuration (Narayanan et al. 2021, table 1): 128 layers, hidden 25600,
+    # 160 heads. Its 126 layers would not split over power-of-two pipelines; 128 do.
+    "gpt-1t": ("1T-parameter GPT (Megatron-LM's 1T shape)", _model("gpt2", 128, 25600, 160, 102400, 51200, 2048,
+                                                                  batch=3072)),
+}
