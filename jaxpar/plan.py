@@ -95,7 +95,8 @@ _TP_NAMES = ("heads", "mlp", "vocab")
 
 
 @functools.lru_cache(maxsize=1024)
-def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool) -> tuple[int, int]:
+def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool,
+                           flash: bool = False) -> tuple[int, int]:
     """(bytes saved for the backward pass, bytes of the largest single saved value) of the loss of
     `rows` sequences through `mcfg.n_layers` blocks (with embedding, head and loss if `head`, else
     the blocks alone) on one device of a `model` axis of size t (tensor parallelism, and sequence
@@ -104,7 +105,8 @@ def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: 
     Read from JAX's own linearization (`saved_residuals`) of the same code the step runs, traced
     with abstract values under jaxpar's tensor-parallel marks (inside a shard_map on an abstract
     mesh): nothing is allocated, whatever the model's size. Parameters are not counted (they are
-    stored anyway)."""
+    stored anyway). With `flash`, attention is cuDNN's fused kernel as on a GPU, which saves q, k,
+    v, its output and the softmax statistics instead of the [seq, seq] scores (`_flash_standin`)."""
     from jax._src.ad_checkpoint import saved_residuals  # no public spelling in jax 0.10
 
     from jaxpar.sharding import LOGICAL_NAMES, Rules, TensorParallel, activation_rules
@@ -139,22 +141,66 @@ def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: 
             found.extend(saved_residuals(loss, local, inputs))
         return _
 
-    if t > 1:
-        mesh = AbstractMesh((t,), ("model",), axis_types=(AxisType.Explicit,))
-        jax.make_jaxpr(jax.shard_map(trace, mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"model"}))(
-            jnp.zeros(()))
-    else:  # one device: no marks are active, as in a single-device step
-        found.extend(saved_residuals(loss, local, inputs))
+    with _attention_kernel(flash):
+        _trace_into(found, trace, loss, local, inputs, t)
     sizes = [aval.size * aval.dtype.itemsize for aval, why in found if not str(why).startswith("from the argument")]
     return sum(sizes), max(sizes, default=0)
 
 
+def _trace_into(found, trace, loss, local, inputs, t):
+    from jax._src.ad_checkpoint import saved_residuals
+    if t > 1:
+        mesh = AbstractMesh((t,), ("model",), axis_types=(AxisType.Explicit,))
+        jax.make_jaxpr(jax.shard_map(trace, mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"model"}))(
+            jax.ShapeDtypeStruct((), jnp.float32))
+    else:  # one device: no marks are active, as in a single-device step
+        found.extend(saved_residuals(loss, local, inputs))
+
+
+@jax.custom_vjp
+def _flash_standin(q, k, v):
+    return q
+
+
+def _flash_fwd(q, k, v):
+    # What cuDNN's flash attention keeps for its backward: q, k, v, the output and the float32
+    # log-sum-exp of each query row, [batch, heads, seq].
+    out = q * 1
+    lse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32) + q[..., :1].sum().astype(jnp.float32)
+    return out, (q, k, v, out, lse)
+
+
+def _flash_bwd(res, g):
+    q, k, v, _, _ = res
+    return g, jnp.zeros_like(k), jnp.zeros_like(v)
+
+
+_flash_standin.defvjp(_flash_fwd, _flash_bwd)
+
+
+class _attention_kernel:
+    """Within this context (a trace only) `jax.nn.dot_product_attention` is the flash stand-in: the
+    cuDNN kernel cannot be traced without a GPU, and only its saved values matter here."""
+
+    def __init__(self, flash: bool):
+        self.flash, self.saved = flash, None
+
+    def __enter__(self):
+        if self.flash:
+            self.saved = jax.nn.dot_product_attention
+            jax.nn.dot_product_attention = lambda q, k, v, **kw: _flash_standin(q, k, v)
+
+    def __exit__(self, *exc):
+        if self.flash:
+            jax.nn.dot_product_attention = self.saved
+
+
 @functools.lru_cache(maxsize=1024)
-def _bilinear(mcfg, t: int, sp: bool, remat: str, head: bool) -> tuple[float, float, float, float]:
+def _bilinear(mcfg, t: int, sp: bool, remat: str, head: bool, flash: bool) -> tuple[float, float, float, float]:
     """(a, b, c, e) with saved bytes = a + b·rows + c·layers + e·rows·layers: every saved value is
     per row (the batch dim) or not (tables, masks), and per layer (the scan stacks it) or not
     (embedding, head, loss), so four traces give the exact bilinear form for any rows and depth."""
-    f = {(r, n): saved_activation_bytes(dataclasses.replace(mcfg, n_layers=n), r, t, sp, remat, head)[0]
+    f = {(r, n): saved_activation_bytes(dataclasses.replace(mcfg, n_layers=n), r, t, sp, remat, head, flash)[0]
          for r in (1, 2) for n in (1, 2)}
     e = f[2, 2] - f[1, 2] - f[2, 1] + f[1, 1]
     c = f[1, 2] - f[1, 1] - e
@@ -162,12 +208,12 @@ def _bilinear(mcfg, t: int, sp: bool, remat: str, head: bool) -> tuple[float, fl
     return f[1, 1] - b - c - e, b, c, e
 
 
-def _activations(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool) -> dict[str, int]:
+def _activations(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool, flash: bool) -> dict[str, int]:
     """Saved activations of `rows` sequences through `mcfg.n_layers` layers (`saved`), and of one
     layer with no remat (`layer_all`) and with `remat` (`layer_saved`)."""
     base = dataclasses.replace(mcfg, n_layers=1)
-    a, b, c, e = _bilinear(base, t, sp, remat, head)
-    _, _, c0, e0 = _bilinear(base, t, sp, "none", head)
+    a, b, c, e = _bilinear(base, t, sp, remat, head, flash)
+    _, _, c0, e0 = _bilinear(base, t, sp, "none", head, flash)
     L = mcfg.n_layers
     return {"saved": int(a + b * rows + (c + e * rows) * L), "layer_saved": int(c + e * rows),
             "layer_all": int(c0 + e0 * rows)}
@@ -187,7 +233,17 @@ def _cached_schedule(name: str, p: int, m: int, v: int):
     return sched, table_of(sched), simulate(sched, 1.0, 2.0)
 
 
-def memory(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
+def uses_flash_attention(cfg: Config, platform: str) -> bool:
+    """Whether the step's attention is cuDNN's fused kernel: `model.attention: cudnn`, or `auto` on
+    a GPU with bf16/fp16 compute and a head size cuDNN takes (a multiple of 8, at most 128)."""
+    m = cfg.model
+    if m.attention == "cudnn":
+        return True
+    return (m.attention == "auto" and platform == "gpu" and m.dtype in ("bfloat16", "float16")
+            and m.head_dim % 8 == 0 and m.head_dim <= 128)
+
+
+def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> dict[str, int]:
     """Predicted per-device bytes of one training step of `cfg` on a (data, stage, model) mesh of
     `shape`, by part: `params`, `gradients`, `optimizer`, `activations`, `pipeline_buffers`,
     `gathered_params` (ZeRO-3's all-gathered copies), `batch`, and `total` (what
@@ -219,11 +275,12 @@ def memory(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     sp = par.sequence_parallel and t > 1
     out = {"params": st["params"], "optimizer": st["optimizer"]}
     zero = par.zero
+    flash = uses_flash_attention(cfg, platform)
     if p == 1:
         grads = st["local"] if zero < 3 else st["grads"]
         if micro > 1:
             grads = grads * (1 + f32)
-        act = _activations(mc, rows, t, sp, par.remat, True)
+        act = _activations(mc, rows, t, sp, par.remat, True, flash)
         saved = act["saved"]
         buffers = 0
         layers = m.n_layers
@@ -233,7 +290,7 @@ def memory(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
         layers = m.n_layers // (p * v) if par.stage_layers is None else max(par.stage_layers)
         chunk = dataclasses.replace(mc, n_layers=layers)
         # The last stage's chunk runs the head and the loss too: the most any stage saves.
-        act = _activations(chunk, rows, t, sp, par.remat, True)
+        act = _activations(chunk, rows, t, sp, par.remat, True, flash)
         saved = act["saved"]
         msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * _BYTES[m.dtype]
         buffers = v * (table.stash + table.fwd_slots + table.bwd_slots) * msg
@@ -366,3 +423,447 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
         out.append(Collective("all-reduce", ("model",), A, 2 * L * micro * (forwards + 1)))
         out.append(Collective("all-reduce", ("model",), A, 2 * micro))  # embedding fwd, head input bwd
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs and the roofline step time.
+
+
+def model_flops_per_token(cfg: Config) -> float:
+    """6·N + 12·L·d_model·S (DESIGN.md): N the non-embedding parameters, causal attention not halved."""
+    m = cfg.model
+    return 6 * model.count_params(m, embeddings=False) + 12 * m.n_layers * m.d_model * m.seq_len
+
+
+def hardware_flops_per_token(cfg: Config, p: int) -> float:
+    """FLOPs the devices run per token: the model FLOPs, GPT-2's tied output projection (2·d·V
+    forward, twice that backward, outside N), and the recomputed forwards: remat `full`
+    recomputes every block (2·N + 4·L·d·S), `dots` the attention core (4·L·d·S); a pipeline's B
+    recomputes its chunk's forward from the stash (once more)."""
+    m, remat = cfg.model, cfg.parallel.remat
+    n = model.count_params(m, embeddings=False)
+    attn_fwd = 4 * m.n_layers * m.d_model * m.seq_len
+    total = model_flops_per_token(cfg) + (6 * m.d_model * m.padded_vocab if m.arch == "gpt2" else 0)
+    forward = 2 * n + attn_fwd
+    total += {"none": 0, "full": forward, "dots": attn_fwd}[remat] * (1 + (p > 1 and remat == "full"))
+    return total + (forward if p > 1 else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """The stated assumptions of the step-time model."""
+
+    hardware: Hardware
+    compute_efficiency: float = 0.5
+    """Fraction of the dense peak the matmuls reach (all FLOPs are charged at it)."""
+    devices: int = 8
+
+    def bandwidth(self, axis: str, shape: tuple[int, int, int]) -> float:
+        """Per-direction bytes/s of one device on `axis`: devices are laid out with `model`
+        innermost, then `stage`, then `data` (jaxpar.mesh), so an axis stays on NVLink while the
+        group it spans fits in one node."""
+        d, p, t = shape
+        span = {"model": t, "stage": t * p, "data": d * p * t}[axis]
+        return self.hardware.intra_node_bw if span <= self.hardware.node_size else self.hardware.inter_node_bw
+
+
+def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[str, float]:
+    """Predicted seconds per step, by part:
+
+    - compute: the hardware FLOPs of each device at `compute_efficiency` of the dense peak (bf16
+      peak for bf16/fp16 compute, TF32 for float32); with a pipeline, the schedule's simulated time
+      (each tick takes its slowest stage; F and B of a microbatch at their FLOPs), bubble included.
+    - model / stage traffic: on the critical path (tensor-parallel collectives sit between the
+      matmuls that need them; the lock-step pipeline sends after each tick's compute).
+    - data traffic: collectives inside the layer scan (ZeRO-0/1's per-layer gradient all-reduce,
+      ZeRO-3's gathers and reduce-scatters) overlap the compute, only their excess over it is
+      exposed; reductions after a microbatch or tick loop and the all-gather of updated
+      parameters are exposed.
+    """
+    d, p, t = shape
+    m, par = cfg.model, cfg.parallel
+    hw = roof.hardware
+    peak = (hw.peak_flops if m.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32) * roof.compute_efficiency
+    tokens = cfg.train.global_batch * m.seq_len
+    flops = hardware_flops_per_token(cfg, p) * tokens / (d * p * t)
+    bubble = 0.0
+    if p > 1:
+        from jaxpar.parallel.schedules import simulate
+
+        # One microbatch through one stage's layers: F its forward FLOPs, B the rest (backward and
+        # the recomputed forward), at the stated fraction of peak; the simulator adds the bubble.
+        per_microbatch = flops / par.microbatches
+        fwd = per_microbatch * (model_flops_per_token(cfg) / 3 + (2 * m.d_model * m.padded_vocab if m.arch == "gpt2"
+                                                                  else 0)) / hardware_flops_per_token(cfg, p)
+        sim = simulate(_schedule(cfg, p)[0], fwd / peak, (per_microbatch - fwd) / peak)
+        compute, bubble = sim.total_time, sim.bubble_fraction
+    else:
+        compute = flops / peak
+    exposed = {"data": 0.0, "stage": 0.0, "model": 0.0}
+    hidden = 0.0
+    for c in collectives(cfg, shape):
+        n = math.prod(dict(zip(AXES, shape))[a] for a in c.axes)
+        seconds = c.wire(n) / roof.bandwidth(max(c.axes, key=lambda a: {"model": 0, "stage": 1, "data": 2}[a]), shape)
+        axis = c.axes[0] if len(c.axes) == 1 else "data"
+        if c.overlap:
+            hidden += seconds
+        else:
+            exposed[axis] += seconds
+    exposed["data"] += max(0.0, hidden - compute)
+    total = compute + sum(exposed.values())
+    return {"compute": compute, "bubble_fraction": bubble, **{f"{k}_comm": v for k, v in exposed.items()},
+            "total": total}
+
+
+# ---------------------------------------------------------------------------------------------
+# One configuration's figures, and the ranking of every valid layout.
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Everything the planner predicts for one configuration on one mesh."""
+
+    cfg: Config
+    shape: tuple[int, int, int]
+    memory: dict[str, int]
+    flops_per_step: float
+    bytes_per_step: dict[str, float]
+    time: dict[str, float]
+    mfu: float
+    fits: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of `python -m jaxpar.plan --json`."""
+        return {"mesh": dict(zip(AXES, self.shape)), "parallel": self.cfg.to_dict()["parallel"],
+                "memory_bytes": self.memory, "flops_per_step": self.flops_per_step,
+                "bytes_per_step": self.bytes_per_step, "step_time_s": self.time["total"],
+                "step_time_parts_s": self.time, "mfu": self.mfu, "fits": self.fits}
+
+
+def bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]:
+    """Result bytes of the collectives of one step on each axis (a collective spanning two axes
+    counts on both), as `jaxpar.inspect.Report.traffic(spans=axis)` reads them from the HLO."""
+    out = {a: 0.0 for a in AXES}
+    for c in collectives(cfg, shape):
+        for a in c.axes:
+            out[a] += c.bytes * c.count
+    return out
+
+
+def estimate(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform: str = "gpu") -> Estimate:
+    """The planner's figures for `cfg` on a mesh of `shape` (validity is not checked here: `check`)."""
+    mem = memory(cfg, shape, platform)
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    flops = model_flops_per_token(cfg) * tokens
+    t = step_time(cfg, shape, roof)
+    hw = roof.hardware
+    peak = hw.peak_flops if cfg.model.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32
+    mfu = flops / (t["total"] * peak * math.prod(shape))
+    return Estimate(cfg, shape, mem, flops, bytes_per_axis(cfg, shape), t, mfu, mem["total"] <= hw.memory_bytes)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(cfg: Config, devices: int, node_size: int):
+    """Every (config, mesh shape) to consider on `devices` devices: each (data, stage, model) whose
+    product is `devices` with the model axis inside a node, each ZeRO stage, remat policy,
+    sequence parallelism (with a model axis), schedule (with a stage axis; interleaved with 2
+    chunks per stage) and power-of-two microbatch count (at least p with a pipeline)."""
+    B = cfg.train.global_batch
+    for t in _divisors(devices):
+        if t > node_size:
+            continue
+        for p in _divisors(devices // t):
+            d = devices // (t * p)
+            if B % d:
+                continue
+            per_data = B // d
+            micro = [k for k in (2**i for i in range(12)) if per_data % k == 0 and k >= (p if p > 1 else 1)]
+            schedules = [("1f1b", 1)] if p == 1 else [("1f1b", 1), ("gpipe", 1), ("1f1b_one_action", 1),
+                                                      ("interleaved_1f1b", 2)]
+            for zero in (0, 1, 2, 3):
+                if d == 1 and zero:
+                    continue  # nothing to shard over data
+                for sp in ((False, True) if t > 1 else (False,)):
+                    for remat in ("none", "dots", "full"):
+                        for schedule, v in schedules:
+                            for m in micro:
+                                yield cfg.replace(mesh={"data": d, "stage": p, "model": t}, parallel={
+                                    "zero": zero, "sequence_parallel": sp, "remat": remat, "schedule": schedule,
+                                    "virtual_stages": v, "microbatches": m, "stage_layers": None}), (d, p, t)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Ranked estimates of the configurations that fit, the best of those that do not, and why
+    the others were refused."""
+
+    ranked: list[Estimate]
+    too_big: list[Estimate]
+    refused: dict[str, int]  # the first sentence of each ConfigError -> how many candidates
+
+
+def plan(cfg: Config, devices: int, roof: Roofline, platform: str = "gpu") -> Plan:
+    """Enumerate `candidates`, keep those jaxpar's validation accepts, estimate each, rank those
+    that fit by predicted step time (and the others by memory)."""
+    fits, too_big, refused = [], [], {}
+    for cand, shape in candidates(cfg, devices, roof.hardware.node_size):
+        try:
+            _check_cached(cand, shape)
+        except ConfigError as e:
+            reason = str(e).split(";")[0]
+            refused[reason] = refused.get(reason, 0) + 1
+            continue
+        est = estimate(cand, shape, roof, platform)
+        (fits if est.fits else too_big).append(est)
+    # Ties (data traffic hidden behind compute) go to the layout that moves fewer bytes, then to
+    # the one with more memory to spare.
+    fits.sort(key=lambda e: (e.time["total"], sum(e.bytes_per_step.values()), e.memory["total"]))
+    too_big.sort(key=lambda e: e.memory["total"])
+    return Plan(fits, too_big, refused)
+
+
+@functools.lru_cache(maxsize=65536)
+def _check_cached(cfg: Config, shape: tuple[int, int, int]) -> None:
+    check(cfg, shape)  # a ConfigError is not cached: the same candidate is rarely seen twice
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line.
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' (decimal, as datasheets write it), '80GiB', '141 GB', '1.5TB' -> bytes."""
+    import re
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]+)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"--device-memory {text!r} is not a size with a unit; write it like 80GB or 80GiB.")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise ConfigError(f"--device-memory {text!r} must be positive; write it like 80GB.")
+    return int(value)
+
+
+def _human(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _describe(e: Estimate) -> str:
+    par = e.cfg.parallel
+    d, p, t = e.shape
+    parts = [f"(data, stage, model) = ({d}, {p}, {t})", f"ZeRO-{par.zero}"]
+    if p > 1:
+        parts.append(f"{par.schedule}" + (f" v={par.virtual_stages}" if par.virtual_stages > 1 else ""))
+    parts.append(f"{par.microbatches} microbatch{'es' if par.microbatches > 1 else ''}")
+    parts.append(f"remat {par.remat}")
+    if t > 1:
+        parts.append("SP" if par.sequence_parallel else "no SP")
+    return ", ".join(parts)
+
+
+def _table(estimates: list[Estimate], title: str):
+    from rich.table import Table
+
+    table = Table(title=title, caption="memory per device: params + grads + optimizer + activations (incl. "
+                                       "pipeline buffers, ZeRO-3 gathers); time: compute incl. bubble, then "
+                                       "exposed traffic on data / stage / model")
+    for col in ("#", "data", "stage", "model", "ZeRO", "schedule", "m", "remat", "SP", "memory", "params",
+                "grads", "optim", "activ", "step s", "bubble", "exposed d/s/m s", "MFU"):
+        table.add_column(col, justify="right" if col not in ("schedule", "remat") else "left", no_wrap=True)
+    for i, e in enumerate(estimates, 1):
+        par, mem, tm = e.cfg.parallel, e.memory, e.time
+        d, p, t = e.shape
+        act = mem["activations"] + mem["pipeline_buffers"] + mem["gathered_params"] + mem["batch"]
+        sched = "-" if p == 1 else par.schedule + (f" v{par.virtual_stages}" if par.virtual_stages > 1 else "")
+        table.add_row(str(i), str(d), str(p), str(t), str(par.zero), sched, str(par.microbatches), par.remat,
+                      ("on" if par.sequence_parallel else "off") if t > 1 else "-", _human(mem["total"]),
+                      _human(mem["params"]), _human(mem["gradients"]), _human(mem["optimizer"]), _human(act),
+                      f"{tm['total']:.3g}", f"{tm['bubble_fraction']:.1%}" if p > 1 else "-",
+                      f"{tm['data_comm']:.2g}/{tm['stage_comm']:.2g}/{tm['model_comm']:.2g}", f"{e.mfu:.1%}")
+    return table
+
+
+def _write_config(cfg: Config, path: str) -> None:
+    """Write `cfg` as YAML to `path` atomically: a temporary name in the same folder, then a rename,
+    so that an error leaves nothing behind."""
+    import os
+    import tempfile
+
+    from jaxpar.config import to_yaml
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--write-config {path!r}: folder {folder!r} does not exist; create it or pick another path.")
+    fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".yaml", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("# Written by python -m jaxpar.plan: the fastest layout it predicts that fits.\n")
+            f.write(to_yaml(cfg))
+        os.replace(tmp, path)
+    except OSError as e:
+        os.unlink(tmp)
+        raise ConfigError(f"--write-config {path!r} cannot be written ({e.strerror or e}); pick a writable path.") from None
+
+
+def _parser():
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # one sentence on stderr and exit 2, not argparse's usage dump
+            raise ConfigError(message[0].upper() + message[1:] + "; see python -m jaxpar.plan --help.")
+
+    from jaxpar.plan_presets import HARDWARE, MODELS
+    ap = Parser(prog="python -m jaxpar.plan", description=(
+        "Will it fit, and which layout is fastest? Per-device memory, FLOPs, traffic per mesh axis and a "
+        "roofline step time of every valid (data, stage, model) layout, ZeRO stage, schedule, microbatch "
+        "count and remat policy of a model on a cluster, ranked."))
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--config", help="a jaxpar YAML config (its model and train.global_batch)")
+    src.add_argument("--preset", help="a model preset: " + ", ".join(MODELS))
+    ap.add_argument("--devices", type=int, required=True, help="number of accelerators")
+    ap.add_argument("--hardware", default="h100-80gb", help="hardware preset (datasheet figures): "
+                    + ", ".join(HARDWARE) + " (default h100-80gb)")
+    ap.add_argument("--device-memory", help="memory per device, e.g. 80GB or 80GiB (default: the hardware's)")
+    ap.add_argument("--node-size", type=int, help="devices per node (one NVLink domain; default 8)")
+    ap.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per device at the compute dtype")
+    ap.add_argument("--intra-node-bw", type=float, help="GB/s one device sends in one direction inside a node")
+    ap.add_argument("--inter-node-bw", type=float, help="GB/s one device sends in one direction across nodes")
+    ap.add_argument("--compute-efficiency", type=float, default=0.5,
+                    help="fraction of the peak the matmuls reach (default 0.5)")
+    ap.add_argument("--global-batch", type=int, help="sequences per step (default: the config's or preset's)")
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's or preset's)")
+    ap.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    ap.add_argument("--write-config", metavar="FILE", help="write the fastest fitting layout as a jaxpar YAML config")
+    ap.add_argument("--json", action="store_true", help="print the ranked list as JSON (one object per layout)")
+    ap.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
+                    help="where the step runs: decides the attention kernel (gpu: cuDNN flash attention for "
+                         "bf16/fp16). Default gpu")
+    return ap
+
+
+def _inputs(args):
+    """The model config and the roofline from the arguments; one ConfigError for the first bad one."""
+    from jaxpar.config import from_dict, load_config
+    from jaxpar.plan_presets import HARDWARE, MODELS
+
+    if args.config is None and args.preset is None:
+        raise ConfigError("give the model with --preset NAME or --config FILE; e.g. --preset llama-7b.")
+    if args.preset is not None and args.preset not in MODELS:
+        raise ConfigError(f"unknown model preset {args.preset!r}; the presets are {', '.join(MODELS)}.")
+    if args.hardware not in HARDWARE:
+        raise ConfigError(f"unknown hardware preset {args.hardware!r}; the presets are {', '.join(HARDWARE)}.")
+    if args.devices < 1:
+        raise ConfigError(f"--devices {args.devices} must be at least 1; give the number of accelerators.")
+    hw = HARDWARE[args.hardware]
+    for flag, value in (("--node-size", args.node_size), ("--peak-tflops", args.peak_tflops),
+                        ("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw),
+                        ("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} {value:g} must be positive; give a number above zero.")
+    if not 0 < args.compute_efficiency <= 1:
+        raise ConfigError(f"--compute-efficiency {args.compute_efficiency:g} must lie in (0, 1]; e.g. 0.5.")
+    node = args.node_size or hw.node_size
+    if args.devices > node and args.devices % node:
+        raise ConfigError(f"--devices {args.devices} is more than one node of {node} but not a whole number of "
+                          f"nodes; give a multiple of {node} (or set --node-size).")
+    scale = 1.0 if args.peak_tflops is None else args.peak_tflops * 1e12 / hw.peak_flops
+    hw = dataclasses.replace(
+        hw, node_size=node,
+        memory_bytes=hw.memory_bytes if args.device_memory is None else parse_bytes(args.device_memory),
+        peak_flops=hw.peak_flops * scale, peak_flops_fp32=hw.peak_flops_fp32 * scale,
+        intra_node_bw=hw.intra_node_bw if args.intra_node_bw is None else args.intra_node_bw * 1e9,
+        inter_node_bw=hw.inter_node_bw if args.inter_node_bw is None else args.inter_node_bw * 1e9)
+    cfg = load_config(args.config) if args.config else from_dict(MODELS[args.preset][1])
+    over = {}
+    if args.global_batch:
+        over["train"] = {"global_batch": args.global_batch}
+    if args.seq_len:
+        over["model"] = {"seq_len": args.seq_len}
+    if over:
+        cfg = cfg.replace(**over)
+    # The planner chooses the layout: what the file says about it is a starting point only.
+    cfg = cfg.replace(runtime={"cpu_devices": cfg.runtime.cpu_devices if args.platform == "cpu" else None})
+    return cfg, Roofline(hw, args.compute_efficiency, args.devices)
+
+
+def main(argv=None) -> int:
+    import json
+    import sys
+
+    jax.config.update("jax_platforms", "cpu")  # the planner only traces: never take an accelerator
+    try:
+        args = _parser().parse_args(argv)
+        cfg, roof = _inputs(args)
+        result = plan(cfg, args.devices, roof, args.platform)
+        if not result.ranked:
+            if result.too_big:
+                best = result.too_big[0]
+                raise JaxparError(
+                    f"{cfg.model.arch} with {model.count_params(cfg.model):,} parameters fits in no layout of "
+                    f"{args.devices} x {_human(roof.hardware.memory_bytes)}: the smallest needs "
+                    f"{_human(best.memory['total'])} per device ({_describe(best)}); add devices or memory.")
+            raise JaxparError(f"no layout of {args.devices} devices passes jaxpar's validation ("
+                              + "; ".join(f"{k} x{n}" for k, n in list(result.refused.items())[:3])
+                              + "); change --devices or --global-batch.")
+        if args.write_config:
+            _write_config(result.ranked[0].cfg, args.write_config)
+    except JaxparError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([e.to_dict() for e in result.ranked]))
+        return 0
+    _print_report(cfg, roof, args, result)
+    return 0
+
+
+def _print_report(cfg, roof, args, result) -> None:
+    from rich.console import Console
+
+    console = Console(soft_wrap=True)
+    if not console.is_terminal:
+        console = Console(soft_wrap=True, width=200)
+    m, hw = cfg.model, roof.hardware
+    n = model.count_params(m)
+    tokens = cfg.train.global_batch * m.seq_len
+    console.print(
+        f"model   {m.arch}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads ({m.kv_heads} kv), d_ff "
+        f"{m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}; Ψ = {n:,} parameters; compute {m.dtype}, params "
+        f"{m.param_dtype}\n"
+        f"        {m.param_dtype} weights {_human(n * _BYTES[m.param_dtype])}; with gradients and Adam "
+        f"{_human(4 * n * _BYTES[m.param_dtype])} (16 bytes per parameter in float32)\n"
+        f"step    {cfg.train.global_batch} x {m.seq_len} = {tokens:,} tokens; model FLOPs "
+        f"{model_flops_per_token(cfg) * tokens:.3g} (6N + 12·L·d·S per token)\n"
+        f"cluster {args.devices} x {hw.name}, {_human(hw.memory_bytes)} each, {hw.node_size} per node; peak "
+        f"{(hw.peak_flops if m.dtype != 'float32' else hw.peak_flops_fp32) / 1e12:g} TFLOP/s at {m.dtype}, "
+        f"compute at {roof.compute_efficiency:.0%} of it; links {hw.intra_node_bw / 1e9:g} GB/s in a node, "
+        f"{hw.inter_node_bw / 1e9:g} GB/s across (per device, per direction)\n"
+        f"overlap tensor- and pipeline-parallel traffic exposed; data-axis traffic inside the layer scan hidden "
+        f"behind compute, after the loops exposed; bubble from the schedule simulator",
+        highlight=False)
+    shown = result.ranked[:args.top]
+    console.print(_table(shown, f"{len(result.ranked)} layouts fit, fastest first "
+                                f"({len(result.too_big)} do not fit; {sum(result.refused.values())} refused by "
+                                f"jaxpar's validation)"))
+    if result.refused:
+        console.print("refused, by reason: " + "; ".join(
+            f"{k} ({v})" for k, v in sorted(result.refused.items(), key=lambda kv: -kv[1])[:5]), highlight=False)
+    best = result.ranked[0]
+    console.print(f"best: {_describe(best)}: {_human(best.memory['total'])} per device, "
+                  f"{best.time['total']:.3g} s per step, MFU {best.mfu:.1%}", highlight=False)
+    if args.write_config:
+        console.print(f"written to {args.write_config}", highlight=False)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
