@@ -340,10 +340,10 @@ class Collective:
 
     def wire(self, n: int) -> float:
         """Bytes one device sends per step over a group of n devices (ring algorithms):
-        all-reduce 2(n-1)/n of its result, all-gather (n-1)/n, reduce-scatter (n-1) times its
-        (1/n-sized) result, a permute its result."""
+        all-reduce 2(n-1)/n of its result, all-gather and all-to-all (n-1)/n, reduce-scatter (n-1)
+        times its (1/n-sized) result, a permute its result."""
         per = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1,
-               "collective-permute": 1.0}[self.kind]
+               "collective-permute": 1.0, "all-to-all": (n - 1) / n}[self.kind]
         return per * self.bytes * self.count
 
 
@@ -394,8 +394,9 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
         if d > 1 and zero >= 1 and st["sharded"]:
             out.append(Collective("all-gather", ("data",), st["sharded"]))
         if par.virtual_stages > 1 or (par.stage_layers is not None and len(set(par.stage_layers)) > 1):
-            # The step reorders the block parameters into pipeline order and their gradients back.
-            out.append(Collective("collective-permute", ("stage",), st["blocks"] * (p - 1) / p, 2))
+            # The step reorders the block parameters into pipeline order and their gradients back
+            # (GSPMD places an all-to-all over stage each way).
+            out.append(Collective("all-to-all", ("stage",), st["blocks"], 2))
     if t > 1:
         out += _tensor_collectives(cfg, rows, t, sp, act_size, p)
     return out
@@ -405,7 +406,10 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     """Megatron's activation collectives over `model`: per layer and microbatch, one closing each
     sub-layer each way (all-reduce of b·s·h; under SP an all-gather of b·s·h and a reduce-scatter
     to b·s·h/t), the vocab-parallel embedding's and head's, and again for every recomputed forward
-    (remat `full`; a pipeline's B recomputes its chunk)."""
+    (remat `full`; a pipeline's B recomputes its chunk). Remat `dots` saves the matmul outputs but
+    not an all-gathered input, so under SP the backward pass gathers again. Small ones: the
+    gradients of kv projections replicated over `model` (n_kv_heads < t) and, under SP, of the
+    norms, all-reduced per layer."""
     m, par = cfg.model, cfg.parallel
     micro = par.microbatches
     A = rows * m.seq_len * m.d_model * act_size
@@ -413,7 +417,8 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     forwards = 1 + (par.remat == "full") + (p > 1)  # forward passes of each layer per microbatch
     out = []
     if sp:
-        out.append(Collective("all-gather", ("model",), A, 2 * L * micro * (forwards + 1)))
+        gathers = forwards + 1 + (par.remat == "dots")
+        out.append(Collective("all-gather", ("model",), A, 2 * L * micro * gathers))
         out.append(Collective("reduce-scatter", ("model",), A / t, 2 * L * micro * (forwards + 1)))
         out.append(Collective("reduce-scatter", ("model",), A / t, micro))  # embedding, forward
         out.append(Collective("all-gather", ("model",), A, micro))  # head input, forward
@@ -422,6 +427,13 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     else:
         out.append(Collective("all-reduce", ("model",), A, 2 * L * micro * (forwards + 1)))
         out.append(Collective("all-reduce", ("model",), A, 2 * micro))  # embedding fwd, head input bwd
+    small = 0
+    if m.kv_heads % t:  # replicated kv projections: their weight gradients summed over model ranks
+        small += 2 * m.d_model * m.kv_heads * m.head_dim * _BYTES[m.param_dtype]
+    if sp:  # norm parameters see a slice of the sequence on each rank
+        small += 2 * m.d_model * (2 if m.arch == "gpt2" else 1) * _BYTES[m.param_dtype]
+    if small:
+        out.append(Collective("all-reduce", ("model",), small * L, micro))
     return out
 
 
@@ -547,6 +559,39 @@ def bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]
     for c in collectives(cfg, shape):
         for a in c.axes:
             out[a] += c.bytes * c.count
+    return out
+
+
+def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]:
+    """`bytes_per_axis` as the HLO states it statically, which is what `jaxpar.inspect` counts.
+
+    The two differ only for tensor parallelism inside a pipeline: there the executor's F and B sit
+    in `lax.cond`s evaluated every tick, and the inspector counts every branch as taken in every
+    tick (an upper bound), where the step really runs one branch per action. Per tick the program
+    holds F (the embedding's collective and the chunk's forward), B of the last chunk (forward,
+    head, backward) and B of the others (forward without the last sub-layer's collective, whose
+    result the vjp drops, and backward); remat adds the recomputed forward to both B branches."""
+    out = bytes_per_axis(cfg, shape)
+    d, p, t = shape
+    if p == 1 or t == 1:
+        return out
+    m, par = cfg.model, cfg.parallel
+    rows = cfg.train.global_batch // (d * par.microbatches)
+    A = rows * m.seq_len * m.d_model * _BYTES[m.dtype]
+    Lc = m.n_layers // (p * par.virtual_stages)
+    ticks = _schedule(cfg, p)[0].num_ticks()
+    full, dots = par.remat == "full", par.remat == "dots"
+    if par.sequence_parallel:
+        regather = 2 * Lc * (full or dots)
+        gathers = 2 * Lc + (4 * Lc + 1 + regather) + (4 * Lc + 2 + regather)
+        scatters = (1 + 2 * Lc) + (4 * Lc + 2 * Lc * full) + (2 + 4 * Lc + 2 * Lc * full)
+        static = ticks * (gathers * A + scatters * A / t)
+    else:
+        again = 2 * Lc * full
+        static = ticks * A * ((1 + 2 * Lc) + (4 * Lc + again) + (2 + 4 * Lc + again))
+    executed = sum(c.bytes * c.count for c in _tensor_collectives(cfg, rows, t, par.sequence_parallel, _BYTES[m.dtype], p)
+                   if c.bytes >= A / t)
+    out["model"] += static - executed
     return out
 
 
