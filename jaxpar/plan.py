@@ -1,13 +1,9 @@
-"""Will a model fit, and which layout trains it fastest? Per-device memory, FLOPs, bytes per mesh axis
-and a roofline step time for any config on any cluster, and the ranking of every valid layout.
-
-The memory of parameters, gradients and optimizer state comes from jaxpar's own ZeRO layout
-(`jaxpar.parallel.zero`, on an abstract mesh of the candidate's shape, so no device is needed);
-the activations a step keeps for its backward pass come from JAX's own linearization of one
-transformer block at the per-device shapes of the candidate (`saved_residuals`, traced with
-abstract values under the tensor-parallel marks of `jaxpar.sharding`), so remat policies, sequence
-parallelism and dtypes count exactly what the program saves. Validity is decided only by jaxpar's
-validation (`jaxpar.config.validate`, `jaxpar.mesh.check_sizes`, the ZeRO layout's refusals).
+"""Will a model fit, and which layout trains it fastest? Every valid (data, stage, model) layout, ZeRO
+stage, schedule, microbatch count and remat policy of a model on a cluster, costed by
+`jaxpar.costs` and ranked by predicted step time; `python -m jaxpar.plan` prints the table, JSON or
+the best layout as a config. Validity is decided only by jaxpar's own validation
+(`jaxpar.config.validate`, `jaxpar.mesh.check_sizes`, the ZeRO layout's refusals), so a layout
+jaxpar learns to run is admitted without a change here.
 """
 
 from __future__ import annotations
@@ -18,517 +14,11 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from jaxpar import model
-from jaxpar.config import Config, ConfigError, JaxparError, validate
-from jaxpar.mesh import AXES, check_sizes
-from jaxpar.parallel.zero import make_layout, state_bytes
-from jaxpar.plan_presets import Hardware
-
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def abstract_mesh(shape: tuple[int, int, int]) -> AbstractMesh:
-    """A device-free ("data", "stage", "model") mesh of `shape`, for layouts and rules."""
-    return AbstractMesh(tuple(shape), AXES, axis_types=(AxisType.Auto,) * 3)
-
-
-def check(cfg: Config, shape: tuple[int, int, int]) -> None:
-    """jaxpar's own validation of `cfg` on a mesh of `shape` (raises ConfigError): the config
-    rules, the mesh-size rules, and the ZeRO layout's refusal of large replicated leaves."""
-    validate(cfg)
-    check_sizes(cfg, shape)
-    _layout(cfg, shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# Model state: parameters, gradients, optimizer state, from jaxpar's ZeRO layout.
-
-
-def _layout(cfg: Config, shape):
-    mesh = abstract_mesh(shape)
-    return make_layout(cfg, mesh, model.param_names(cfg.model), model.param_shapes(cfg.model)), mesh
-
-
-@functools.lru_cache(maxsize=4096)
-def _state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
-    """Per-device bytes of the stored state and of its parts that collectives move:
-    params / grads / optimizer (jaxpar.parallel.zero.state_bytes), `local` (the parameters after
-    tensor and pipeline splitting, before ZeRO), `sharded` (of `local`, the leaves ZeRO shards
-    over data), `blocks_sharded` (of those, the stacked block leaves), `blocks` (all block leaves)."""
-    layout, mesh = _layout(cfg, shape)
-    shapes = model.param_shapes(cfg.model)
-    acct = state_bytes(layout, shapes, mesh)
-    base = jax.tree.map(lambda spec, d: _strip_data(spec), layout.moments, layout.zero_dims,
-                        is_leaf=lambda x: isinstance(x, P))
-    out = {"params": acct["params"]["per_device"], "grads": acct["grads"]["per_device"],
-           "optimizer": acct["optimizer"]["per_device"]}
-    out.update(local=0, sharded=0, blocks_sharded=0, blocks=0)
-    flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    flat_base = jax.tree.leaves(base, is_leaf=lambda x: isinstance(x, P))
-    flat_dims = jax.tree.leaves(layout.zero_dims, is_leaf=lambda x: x is None or isinstance(x, int))
-    for (path, s), spec, dim in zip(flat_shapes, flat_base, flat_dims):
-        split = math.prod(mesh.shape[a] for ax in spec for a in ((ax,) if isinstance(ax, str) else ax or ()))
-        nbytes = s.size * s.dtype.itemsize // split
-        is_block = path[0].key == "blocks"
-        out["local"] += nbytes
-        out["blocks"] += nbytes * is_block
-        if dim is not None:
-            out["sharded"] += nbytes
-            out["blocks_sharded"] += nbytes * is_block
-    return out
-
-
-def _strip_data(spec: P) -> P:
-    def drop(ax):
-        kept = tuple(a for a in ((ax,) if isinstance(ax, str) else ax or ()) if a != "data")
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-    return P(*map(drop, spec))
-
-
-# ---------------------------------------------------------------------------------------------
-# Activations: what JAX saves for the backward pass, at the per-device shapes of a candidate.
-
-_TP_NAMES = ("heads", "mlp", "vocab")
-
-
-@functools.lru_cache(maxsize=1024)
-def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool,
-                           flash: bool = False) -> tuple[int, int]:
-    """(bytes saved for the backward pass, bytes of the largest single saved value) of the loss of
-    `rows` sequences through `mcfg.n_layers` blocks (with embedding, head and loss if `head`, else
-    the blocks alone) on one device of a `model` axis of size t (tensor parallelism, and sequence
-    parallelism if `sp`) under remat policy `remat`.
-
-    Read from JAX's own linearization (`saved_residuals`) of the same code the step runs, traced
-    with abstract values under jaxpar's tensor-parallel marks (inside a shard_map on an abstract
-    mesh): nothing is allocated, whatever the model's size. Parameters are not counted (they are
-    stored anyway). With `flash`, attention is cuDNN's fused kernel as on a GPU, which saves q, k,
-    v, its output and the softmax statistics instead of the [seq, seq] scores (`_flash_standin`)."""
-    from jax._src.ad_checkpoint import saved_residuals  # no public spelling in jax 0.10
-
-    from jaxpar.sharding import LOGICAL_NAMES, Rules, TensorParallel, activation_rules
-    from jaxpar.train.step import cross_entropy_sum
-
-    names, shapes = model.param_names(mcfg), model.param_shapes(mcfg)
-    split = set(_TP_NAMES) | ({"kv_heads"} if mcfg.kv_heads % t == 0 else set())
-    local = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(
-        tuple(x // t if name in split and t > 1 else x for x, name in zip(s.shape, n)), s.dtype), shapes, names,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    S = mcfg.seq_len
-    if head:
-        inputs = jax.ShapeDtypeStruct((rows, S + 1), jnp.int32)
-    else:
-        inputs = jax.ShapeDtypeStruct((rows, S // t if sp and t > 1 else S, mcfg.d_model), jnp.dtype(mcfg.dtype))
-    found: list = []
-
-    def loss(params, x):
-        mdl = model.bind(mcfg, params)
-        if head:
-            logits = mdl(x[:, :-1], remat=remat)
-            return cross_entropy_sum(logits, x[:, 1:], mcfg.vocab_size)
-        if sp and t > 1:
-            x = jax.lax.pcast(x, "model", to="varying")
-        return mdl.backbone(x, remat=remat)
-
-    def trace(_):
-        # Inside the shard_map every axis is manual: the marks run Megatron's collectives and no
-        # sharding constraint is left to place.
-        rules = Rules({n: None for n in LOGICAL_NAMES})
-        with activation_rules(None, rules, tp=TensorParallel(t, sp, mcfg.n_heads, mcfg.kv_heads)):
-            found.extend(saved_residuals(loss, local, inputs))
-        return _
-
-    with _attention_kernel(flash):
-        _trace_into(found, trace, loss, local, inputs, t)
-    sizes = [aval.size * aval.dtype.itemsize for aval, why in found if not str(why).startswith("from the argument")]
-    return sum(sizes), max(sizes, default=0)
-
-
-def _trace_into(found, trace, loss, local, inputs, t):
-    from jax._src.ad_checkpoint import saved_residuals
-    if t > 1:
-        mesh = AbstractMesh((t,), ("model",), axis_types=(AxisType.Explicit,))
-        jax.make_jaxpr(jax.shard_map(trace, mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"model"}))(
-            jax.ShapeDtypeStruct((), jnp.float32))
-    else:  # one device: no marks are active, as in a single-device step
-        found.extend(saved_residuals(loss, local, inputs))
-
-
-@jax.custom_vjp
-def _flash_standin(q, k, v):
-    return q
-
-
-def _flash_fwd(q, k, v):
-    # What cuDNN's flash attention keeps for its backward: q, k, v, the output and the float32
-    # log-sum-exp of each query row, [batch, heads, seq].
-    out = q * 1
-    lse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32) + q[..., :1].sum().astype(jnp.float32)
-    return out, (q, k, v, out, lse)
-
-
-def _flash_bwd(res, g):
-    q, k, v, _, _ = res
-    return g, jnp.zeros_like(k), jnp.zeros_like(v)
-
-
-_flash_standin.defvjp(_flash_fwd, _flash_bwd)
-
-
-class _attention_kernel:
-    """Within this context (a trace only) `jax.nn.dot_product_attention` is the flash stand-in: the
-    cuDNN kernel cannot be traced without a GPU, and only its saved values matter here."""
-
-    def __init__(self, flash: bool):
-        self.flash, self.saved = flash, None
-
-    def __enter__(self):
-        if self.flash:
-            self.saved = jax.nn.dot_product_attention
-            jax.nn.dot_product_attention = lambda q, k, v, **kw: _flash_standin(q, k, v)
-
-    def __exit__(self, *exc):
-        if self.flash:
-            jax.nn.dot_product_attention = self.saved
-
-
-@functools.lru_cache(maxsize=1024)
-def _bilinear(mcfg, t: int, sp: bool, remat: str, head: bool, flash: bool) -> tuple[float, float, float, float]:
-    """(a, b, c, e) with saved bytes = a + b·rows + c·layers + e·rows·layers: every saved value is
-    per row (the batch dim) or not (tables, masks), and per layer (the scan stacks it) or not
-    (embedding, head, loss), so four traces give the exact bilinear form for any rows and depth."""
-    f = {(r, n): saved_activation_bytes(dataclasses.replace(mcfg, n_layers=n), r, t, sp, remat, head, flash)[0]
-         for r in (1, 2) for n in (1, 2)}
-    e = f[2, 2] - f[1, 2] - f[2, 1] + f[1, 1]
-    c = f[1, 2] - f[1, 1] - e
-    b = f[2, 1] - f[1, 1] - e
-    return f[1, 1] - b - c - e, b, c, e
-
-
-def _activations(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool, flash: bool) -> dict[str, int]:
-    """Saved activations of `rows` sequences through `mcfg.n_layers` layers (`saved`), and of one
-    layer with no remat (`layer_all`) and with `remat` (`layer_saved`)."""
-    base = dataclasses.replace(mcfg, n_layers=1)
-    a, b, c, e = _bilinear(base, t, sp, remat, head, flash)
-    _, _, c0, e0 = _bilinear(base, t, sp, "none", head, flash)
-    L = mcfg.n_layers
-    return {"saved": int(a + b * rows + (c + e * rows) * L), "layer_saved": int(c + e * rows),
-            "layer_all": int(c0 + e0 * rows)}
-
-
-def _schedule(cfg: Config, p: int):
-    from jaxpar.parallel.schedules import build
-    par = cfg.parallel
-    return _cached_schedule(par.schedule, p, par.microbatches, par.virtual_stages)
-
-
-@functools.lru_cache(maxsize=512)
-def _cached_schedule(name: str, p: int, m: int, v: int):
-    from jaxpar.parallel.pipeline import table_of
-    from jaxpar.parallel.schedules import build, simulate
-    sched = build(name, p, m, v)
-    return sched, table_of(sched), simulate(sched, 1.0, 2.0)
-
-
-def uses_flash_attention(cfg: Config, platform: str) -> bool:
-    """Whether the step's attention is cuDNN's fused kernel: `model.attention: cudnn`, or `auto` on
-    a GPU with bf16/fp16 compute and a head size cuDNN takes (a multiple of 8, at most 128)."""
-    m = cfg.model
-    if m.attention == "cudnn":
-        return True
-    return (m.attention == "auto" and platform == "gpu" and m.dtype in ("bfloat16", "float16")
-            and m.head_dim % 8 == 0 and m.head_dim <= 128)
-
-
-def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> dict[str, int]:
-    """Predicted per-device bytes of one training step of `cfg` on a (data, stage, model) mesh of
-    `shape`, by part: `params`, `gradients`, `optimizer`, `activations`, `pipeline_buffers`,
-    `gathered_params` (ZeRO-3's all-gathered copies), `batch`, and `total` (what
-    `compiled.memory_analysis()` calls arguments + temp; outputs alias the donated state).
-
-    - params, optimizer: the stored state of jaxpar's ZeRO layout (Adam: two moments, in the
-      parameter dtype).
-    - gradients: what the step holds. One microbatch, ZeRO 0-2: every local gradient at its
-      parameter's dtype (ZeRO-2 reduce-scatters after the backward pass, so the full gradient
-      exists transiently: README, "Known cost"); ZeRO-3: the data shard. With microbatches, a
-      float32 accumulator of the same extent plus one microbatch's gradients. Pipelines: float32
-      accumulators of this stage's blocks and of the shared leaves (embeddings, head), reduced
-      after the tick loop, plus one chunk's gradients.
-    - activations: the values JAX saves for the backward pass (`saved_activation_bytes`) of one
-      microbatch (pipelines: of one chunk, which B recomputes from the stashed chunk input), plus
-      the working set of the backward pass of one layer: its values that were not saved
-      (recomputed) and at least half of its saved values again as cotangents, or the float32
-      cotangent of the logits, whichever is larger.
-    - pipeline_buffers: the stash (chunk inputs) and the receive buffers the schedule table
-      declares, v chunks each.
-    """
-    d, p, t = shape
-    m, mc, par = cfg.model, cfg.model, cfg.parallel
-    st = _state(cfg, shape)
-    itemsize = _BYTES[m.param_dtype]
-    f32 = 4 / itemsize
-    micro = par.microbatches
-    rows = cfg.train.global_batch // (d * micro)
-    sp = par.sequence_parallel and t > 1
-    out = {"params": st["params"], "optimizer": st["optimizer"]}
-    zero = par.zero
-    flash = uses_flash_attention(cfg, platform)
-    if p == 1:
-        grads = st["local"] if zero < 3 else st["grads"]
-        if micro > 1:
-            grads = grads * (1 + f32)
-        act = _activations(mc, rows, t, sp, par.remat, True, flash)
-        saved = act["saved"]
-        buffers = 0
-        layers = m.n_layers
-    else:
-        sched, table, _ = _schedule(cfg, p)
-        v = par.virtual_stages
-        layers = m.n_layers // (p * v) if par.stage_layers is None else max(par.stage_layers)
-        chunk = dataclasses.replace(mc, n_layers=layers)
-        # The last stage's chunk runs the head and the loss too: the most any stage saves.
-        act = _activations(chunk, rows, t, sp, par.remat, True, flash)
-        saved = act["saved"]
-        msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * _BYTES[m.dtype]
-        buffers = v * (table.stash + table.fwd_slots + table.bwd_slots) * msg
-        grads = st["local"] * (f32 + 1)
-    logits = rows * m.seq_len * m.padded_vocab // t * 4
-    recomputed = act["layer_all"] - act["layer_saved"]
-    if p == 1:
-        transient = max(recomputed, act["layer_all"] // 2, logits)
-        if micro > 1:
-            # The first microbatch runs before the accumulation loop (it starts the float32
-            # accumulator with the gradients' exact type) and XLA gives the loop body buffers of
-            # its own: two microbatches' activations, measured so on CPU.
-            saved *= 2
-    else:
-        # A chunk's backward runs inside one tick (vjp of the stashed input); measured on CPU its
-        # working set beyond the saved values is what remat recomputes, or the logits' cotangent.
-        transient = max(recomputed, logits)
-    gathered = 0
-    if zero == 3:
-        # ZeRO-3 gathers each layer where it is used (two in flight: one used, one prefetched) and
-        # the leaves outside the layer scan (embeddings, head) once, kept for the backward pass;
-        # with `zero3_gather: step` under a pipeline, this stage's whole parameters for the step.
-        blocks_layer = st["blocks"] // max(1, m.n_layers // p)
-        shared = st["local"] - st["blocks"]
-        gathered = shared + (st["blocks"] if p > 1 and par.zero3_gather == "step" else 2 * blocks_layer)
-    out.update(gradients=int(grads), activations=int(saved + transient), pipeline_buffers=int(buffers),
-               gathered_params=int(gathered), batch=rows * micro * (m.seq_len + 1) * 4)
-    out["total"] = sum(out.values())
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Traffic: result bytes of the collectives one device runs per step, by mesh axis (the measure of
-# `jaxpar.inspect.Report.traffic(spans=axis)`: a collective over two axes counts on both), and
-# the bytes each puts on the wire (ring algorithms).
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """`count` runs per step of a `kind` collective over `axes` with `bytes` of result per device;
-    `overlap`: issued inside the layer scan, where it can hide behind the next layer's compute."""
-    kind: str
-    axes: tuple[str, ...]
-    bytes: float
-    count: int = 1
-    overlap: bool = False
-
-    def wire(self, n: int) -> float:
-        """Bytes one device sends per step over a group of n devices (ring algorithms):
-        all-reduce 2(n-1)/n of its result, all-gather and all-to-all (n-1)/n, reduce-scatter (n-1)
-        times its (1/n-sized) result, a permute its result."""
-        per = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1,
-               "collective-permute": 1.0, "all-to-all": (n - 1) / n}[self.kind]
-        return per * self.bytes * self.count
-
-
-def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
-    """The collectives of one step of `cfg` on a mesh of `shape` (scalars such as the loss and the
-    gradient norm's partial sums left out: a few bytes)."""
-    d, p, t = shape
-    m, par = cfg.model, cfg.parallel
-    st = _state(cfg, shape)
-    itemsize, act_size = _BYTES[m.param_dtype], _BYTES[m.dtype]
-    micro, zero = par.microbatches, par.zero
-    rows = cfg.train.global_batch // (d * micro)
-    sp = par.sequence_parallel and t > 1
-    out: list[Collective] = []
-    if d > 1 and p == 1:
-        if zero == 3:
-            shared = st["sharded"] - st["blocks_sharded"]
-            # Per microbatch: each block layer gathered in the forward and again in the backward
-            # pass, the leaves outside the layer scan once; each gradient reduce-scattered.
-            out.append(Collective("all-gather", ("data",), 2 * st["blocks_sharded"] + shared, micro, overlap=True))
-            out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d, micro, overlap=True))
-            if st["local"] > st["sharded"]:
-                out.append(Collective("all-reduce", ("data",), st["local"] - st["sharded"], micro, overlap=True))
-        else:
-            in_scan = zero < 2 and micro == 1  # ZeRO-0/1, one microbatch: per layer in the backward scan
-            if zero == 2:
-                out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d))
-                reduced = st["local"] - st["sharded"]
-            else:
-                reduced = st["local"]
-            if reduced:
-                out.append(Collective("all-reduce", ("data",), reduced, overlap=in_scan))
-            if zero >= 1 and st["sharded"]:
-                out.append(Collective("all-gather", ("data",), st["sharded"]))  # the updated parameters
-    if p > 1:
-        sched, table, _ = _schedule(cfg, p)
-        ticks = sched.num_ticks()
-        msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * act_size
-        # One forward and one backward ppermute every tick (idle stages send zeros).
-        out.append(Collective("collective-permute", ("stage",), msg, 2 * ticks))
-        f32 = 4 / itemsize
-        shared = st["local"] - st["blocks"]
-        # Float32 accumulators reduced once after the tick loop: blocks over data, the shared
-        # leaves (embeddings, head; used by the end stages) over data and stage.
-        if d > 1:
-            out.append(Collective("all-reduce", ("data",), st["blocks"] * f32))
-        out.append(Collective("all-reduce", ("data", "stage") if d > 1 else ("stage",), shared * f32))
-        if d > 1 and zero >= 1 and st["sharded"]:
-            out.append(Collective("all-gather", ("data",), st["sharded"]))
-        if par.virtual_stages > 1 or (par.stage_layers is not None and len(set(par.stage_layers)) > 1):
-            # The step reorders the block parameters into pipeline order and their gradients back
-            # (GSPMD places an all-to-all over stage each way).
-            out.append(Collective("all-to-all", ("stage",), st["blocks"], 2))
-    if t > 1:
-        out += _tensor_collectives(cfg, rows, t, sp, act_size, p)
-    return out
-
-
-def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int, p: int) -> list[Collective]:
-    """Megatron's activation collectives over `model`: per layer and microbatch, one closing each
-    sub-layer each way (all-reduce of b·s·h; under SP an all-gather of b·s·h and a reduce-scatter
-    to b·s·h/t), the vocab-parallel embedding's and head's, and again for every recomputed forward
-    (remat `full`; a pipeline's B recomputes its chunk). Remat `dots` saves the matmul outputs but
-    not an all-gathered input, so under SP the backward pass gathers again. Small ones: the
-    gradients of kv projections replicated over `model` (n_kv_heads < t) and, under SP, of the
-    norms, all-reduced per layer."""
-    m, par = cfg.model, cfg.parallel
-    micro = par.microbatches
-    A = rows * m.seq_len * m.d_model * act_size
-    L = m.n_layers // p
-    forwards = 1 + (par.remat == "full") + (p > 1)  # forward passes of each layer per microbatch
-    out = []
-    if sp:
-        gathers = forwards + 1 + (par.remat == "dots")
-        out.append(Collective("all-gather", ("model",), A, 2 * L * micro * gathers))
-        out.append(Collective("reduce-scatter", ("model",), A / t, 2 * L * micro * (forwards + 1)))
-        out.append(Collective("reduce-scatter", ("model",), A / t, micro))  # embedding, forward
-        out.append(Collective("all-gather", ("model",), A, micro))  # head input, forward
-        out.append(Collective("all-gather", ("model",), A, micro))  # embedding, backward
-        out.append(Collective("reduce-scatter", ("model",), A / t, micro))  # head input, backward
-    else:
-        out.append(Collective("all-reduce", ("model",), A, 2 * L * micro * (forwards + 1)))
-        out.append(Collective("all-reduce", ("model",), A, 2 * micro))  # embedding fwd, head input bwd
-    small = 0
-    if m.kv_heads % t:  # replicated kv projections: their weight gradients summed over model ranks
-        small += 2 * m.d_model * m.kv_heads * m.head_dim * _BYTES[m.param_dtype]
-    if sp:  # norm parameters see a slice of the sequence on each rank
-        small += 2 * m.d_model * (2 if m.arch == "gpt2" else 1) * _BYTES[m.param_dtype]
-    if small:
-        out.append(Collective("all-reduce", ("model",), small * L, micro))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# FLOPs and the roofline step time.
-
-
-def model_flops_per_token(cfg: Config) -> float:
-    """6·N + 12·L·d_model·S (DESIGN.md): N the non-embedding parameters, causal attention not halved."""
-    m = cfg.model
-    return 6 * model.count_params(m, embeddings=False) + 12 * m.n_layers * m.d_model * m.seq_len
-
-
-def hardware_flops_per_token(cfg: Config, p: int) -> float:
-    """FLOPs the devices run per token: the model FLOPs, GPT-2's tied output projection (2·d·V
-    forward, twice that backward, outside N), and the recomputed forwards: remat `full`
-    recomputes every block (2·N + 4·L·d·S), `dots` the attention core (4·L·d·S); a pipeline's B
-    recomputes its chunk's forward from the stash (once more)."""
-    m, remat = cfg.model, cfg.parallel.remat
-    n = model.count_params(m, embeddings=False)
-    attn_fwd = 4 * m.n_layers * m.d_model * m.seq_len
-    total = model_flops_per_token(cfg) + (6 * m.d_model * m.padded_vocab if m.arch == "gpt2" else 0)
-    forward = 2 * n + attn_fwd
-    total += {"none": 0, "full": forward, "dots": attn_fwd}[remat] * (1 + (p > 1 and remat == "full"))
-    return total + (forward if p > 1 else 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Roofline:
-    """The stated assumptions of the step-time model."""
-
-    hardware: Hardware
-    compute_efficiency: float = 0.5
-    """Fraction of the dense peak the matmuls reach (all FLOPs are charged at it)."""
-    devices: int = 8
-
-    def bandwidth(self, axis: str, shape: tuple[int, int, int]) -> float:
-        """Per-direction bytes/s of one device on `axis`: devices are laid out with `model`
-        innermost, then `stage`, then `data` (jaxpar.mesh), so an axis stays on NVLink while the
-        group it spans fits in one node."""
-        d, p, t = shape
-        span = {"model": t, "stage": t * p, "data": d * p * t}[axis]
-        return self.hardware.intra_node_bw if span <= self.hardware.node_size else self.hardware.inter_node_bw
-
-
-def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[str, float]:
-    """Predicted seconds per step, by part:
-
-    - compute: the hardware FLOPs of each device at `compute_efficiency` of the dense peak (bf16
-      peak for bf16/fp16 compute, TF32 for float32); with a pipeline, the schedule's simulated time
-      (each tick takes its slowest stage; F and B of a microbatch at their FLOPs), bubble included.
-    - model / stage traffic: on the critical path (tensor-parallel collectives sit between the
-      matmuls that need them; the lock-step pipeline sends after each tick's compute).
-    - data traffic: collectives inside the layer scan (ZeRO-0/1's per-layer gradient all-reduce,
-      ZeRO-3's gathers and reduce-scatters) overlap the compute, only their excess over it is
-      exposed; reductions after a microbatch or tick loop and the all-gather of updated
-      parameters are exposed.
-    """
-    d, p, t = shape
-    m, par = cfg.model, cfg.parallel
-    hw = roof.hardware
-    peak = (hw.peak_flops if m.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32) * roof.compute_efficiency
-    tokens = cfg.train.global_batch * m.seq_len
-    flops = hardware_flops_per_token(cfg, p) * tokens / (d * p * t)
-    bubble = 0.0
-    if p > 1:
-        from jaxpar.parallel.schedules import simulate
-
-        # One microbatch through one stage's layers: F its forward FLOPs, B the rest (backward and
-        # the recomputed forward), at the stated fraction of peak; the simulator adds the bubble.
-        per_microbatch = flops / par.microbatches
-        fwd = per_microbatch * (model_flops_per_token(cfg) / 3 + (2 * m.d_model * m.padded_vocab if m.arch == "gpt2"
-                                                                  else 0)) / hardware_flops_per_token(cfg, p)
-        sim = simulate(_schedule(cfg, p)[0], fwd / peak, (per_microbatch - fwd) / peak)
-        compute, bubble = sim.total_time, sim.bubble_fraction
-    else:
-        compute = flops / peak
-    exposed = {"data": 0.0, "stage": 0.0, "model": 0.0}
-    hidden = 0.0
-    for c in collectives(cfg, shape):
-        n = math.prod(dict(zip(AXES, shape))[a] for a in c.axes)
-        seconds = c.wire(n) / roof.bandwidth(max(c.axes, key=lambda a: {"model": 0, "stage": 1, "data": 2}[a]), shape)
-        axis = c.axes[0] if len(c.axes) == 1 else "data"
-        if c.overlap:
-            hidden += seconds
-        else:
-            exposed[axis] += seconds
-    exposed["data"] += max(0.0, hidden - compute)
-    total = compute + sum(exposed.values())
-    return {"compute": compute, "bubble_fraction": bubble, **{f"{k}_comm": v for k, v in exposed.items()},
-            "total": total}
-
-
-# ---------------------------------------------------------------------------------------------
-# One configuration's figures, and the ranking of every valid layout.
+from jaxpar.config import Config, ConfigError, JaxparError
+from jaxpar.costs import _BYTES, Roofline, bytes_per_axis, check, memory, model_flops_per_token, step_time
+from jaxpar.mesh import AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,49 +40,6 @@ class Estimate:
                 "memory_bytes": self.memory, "flops_per_step": self.flops_per_step,
                 "bytes_per_step": self.bytes_per_step, "step_time_s": self.time["total"],
                 "step_time_parts_s": self.time, "mfu": self.mfu, "fits": self.fits}
-
-
-def bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]:
-    """Result bytes of the collectives of one step on each axis (a collective spanning two axes
-    counts on both), as `jaxpar.inspect.Report.traffic(spans=axis)` reads them from the HLO."""
-    out = {a: 0.0 for a in AXES}
-    for c in collectives(cfg, shape):
-        for a in c.axes:
-            out[a] += c.bytes * c.count
-    return out
-
-
-def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]:
-    """`bytes_per_axis` as the HLO states it statically, which is what `jaxpar.inspect` counts.
-
-    The two differ only for tensor parallelism inside a pipeline: there the executor's F and B sit
-    in `lax.cond`s evaluated every tick, and the inspector counts every branch as taken in every
-    tick (an upper bound), where the step really runs one branch per action. Per tick the program
-    holds F (the embedding's collective and the chunk's forward), B of the last chunk (forward,
-    head, backward) and B of the others (forward without the last sub-layer's collective, whose
-    result the vjp drops, and backward); remat adds the recomputed forward to both B branches."""
-    out = bytes_per_axis(cfg, shape)
-    d, p, t = shape
-    if p == 1 or t == 1:
-        return out
-    m, par = cfg.model, cfg.parallel
-    rows = cfg.train.global_batch // (d * par.microbatches)
-    A = rows * m.seq_len * m.d_model * _BYTES[m.dtype]
-    Lc = m.n_layers // (p * par.virtual_stages)
-    ticks = _schedule(cfg, p)[0].num_ticks()
-    full, dots = par.remat == "full", par.remat == "dots"
-    if par.sequence_parallel:
-        regather = 2 * Lc * (full or dots)
-        gathers = 2 * Lc + (4 * Lc + 1 + regather) + (4 * Lc + 2 + regather)
-        scatters = (1 + 2 * Lc) + (4 * Lc + 2 * Lc * full) + (2 + 4 * Lc + 2 * Lc * full)
-        static = ticks * (gathers * A + scatters * A / t)
-    else:
-        again = 2 * Lc * full
-        static = ticks * A * ((1 + 2 * Lc) + (4 * Lc + again) + (2 + 4 * Lc + again))
-    executed = sum(c.bytes * c.count for c in _tensor_collectives(cfg, rows, t, par.sequence_parallel, _BYTES[m.dtype], p)
-                   if c.bytes >= A / t)
-    out["model"] += static - executed
-    return out
 
 
 def estimate(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform: str = "gpu") -> Estimate:
@@ -663,9 +110,9 @@ def plan(cfg: Config, devices: int, roof: Roofline, platform: str = "gpu") -> Pl
             continue
         est = estimate(cand, shape, roof, platform)
         (fits if est.fits else too_big).append(est)
-    # Ties (data traffic hidden behind compute) go to the layout that moves fewer bytes, then to
-    # the one with more memory to spare.
-    fits.sort(key=lambda e: (e.time["total"], sum(e.bytes_per_step.values()), e.memory["total"]))
+    # Times equal to 3 significant digits are ties (the model is not finer than that); ties go to
+    # the layout that moves fewer bytes, then to the one with more memory to spare.
+    fits.sort(key=lambda e: (float(f"{e.time['total']:.3g}"), sum(e.bytes_per_step.values()), e.memory["total"]))
     too_big.sort(key=lambda e: e.memory["total"])
     return Plan(fits, too_big, refused)
 
@@ -673,6 +120,46 @@ def plan(cfg: Config, devices: int, roof: Roofline, platform: str = "gpu") -> Pl
 @functools.lru_cache(maxsize=65536)
 def _check_cached(cfg: Config, shape: tuple[int, int, int]) -> None:
     check(cfg, shape)  # a ConfigError is not cached: the same candidate is rarely seen twice
+
+
+def memory_wall(cfg: Config, devices: int, node_size: int = 8, platform: str = "gpu") -> list[tuple[str, dict]]:
+    """The memory wall, step by step: per-device memory of `cfg` as each strategy is added on
+    `devices` devices (each row's layout is validated by jaxpar; a row it refuses is skipped). Each
+    row trains one sequence per device per microbatch, without accumulation (a pipeline streams
+    2p microbatches), so that its gradients are the 4 bytes per parameter of the textbook count."""
+    t = min(node_size, devices)
+    while t > 1 and (cfg.model.n_heads % t or devices % t):
+        t //= 2
+    p = 1
+    while p * 2 * t <= devices and devices % (p * 2 * t) == 0 and cfg.model.n_layers % (p * 2) == 0 and p * 2 <= 16:
+        p *= 2
+    rows = []
+
+    def add(label, shape, **par):
+        d, stages = shape[0], shape[1]
+        m = 2 * stages if stages > 1 else 1
+        c = cfg.replace(mesh=dict(zip(AXES, shape)), train={"global_batch": d * m},
+                        parallel={"microbatches": m, "stage_layers": None, **par})
+        try:
+            check(c, shape)
+        except ConfigError:
+            return
+        rows.append((label, _shape_label(shape, c), memory(c, shape, platform)))
+
+    add("one device", (1, 1, 1))
+    add(f"data parallel x{devices} (replicated)", (devices, 1, 1))
+    for z in (1, 2, 3):
+        add(f"ZeRO-{z} over {devices}", (devices, 1, 1), zero=z)
+    add(f"tensor parallel x{t} + ZeRO-1 over {devices // t}", (devices // t, 1, t), zero=1)
+    add("+ sequence parallel", (devices // t, 1, t), zero=1, sequence_parallel=True)
+    add(f"+ pipeline x{p} (1F1B)", (devices // (t * p), p, t), zero=1, sequence_parallel=True)
+    add("+ remat full", (devices // (t * p), p, t), zero=1, sequence_parallel=True, remat="full")
+    return rows
+
+
+def _shape_label(shape, c):
+    par = c.parallel
+    return f"({shape[0]}, {shape[1]}, {shape[2]}) m={par.microbatches}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -787,7 +274,10 @@ def _parser():
     ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's or preset's)")
     ap.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     ap.add_argument("--write-config", metavar="FILE", help="write the fastest fitting layout as a jaxpar YAML config")
-    ap.add_argument("--json", action="store_true", help="print the ranked list as JSON (one object per layout)")
+    ap.add_argument("--json", action="store_true", help="print JSON: one object per layout, those that fit by "
+                    "predicted step time, then those that do not by memory")
+    ap.add_argument("--memory-wall", action="store_true",
+                    help="also print per-device memory as each strategy is added (before the ranking)")
     ap.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
                     help="where the step runs: decides the attention kernel (gpu: cuDNN flash attention for "
                          "bf16/fp16). Default gpu")
@@ -847,6 +337,8 @@ def main(argv=None) -> int:
     try:
         args = _parser().parse_args(argv)
         cfg, roof = _inputs(args)
+        if args.memory_wall and not args.json:
+            _print_wall(cfg, args, roof)
         result = plan(cfg, args.devices, roof, args.platform)
         if not result.ranked:
             if result.too_big:
@@ -864,10 +356,30 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([e.to_dict() for e in result.ranked]))
+        print(json.dumps([e.to_dict() for e in result.ranked + result.too_big]))
         return 0
     _print_report(cfg, roof, args, result)
     return 0
+
+
+def _print_wall(cfg, args, roof) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    n = model.count_params(cfg.model)
+    table = Table(title=f"the memory wall: Ψ = {n / 1e9:.1f} B parameters on {args.devices} devices "
+                        f"of {_human(roof.hardware.memory_bytes)}", caption="GB per device")
+    for col in ("strategy", "(data, stage, model)", "params", "grads", "optimizer", "activations", "total", "fits"):
+        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    for label, shape, mem in memory_wall(cfg, args.devices, roof.hardware.node_size, args.platform):
+        act = mem["activations"] + mem["pipeline_buffers"] + mem["gathered_params"] + mem["batch"]
+        table.add_row(label, shape, *(f"{mem[k] / 1e9:,.1f}" for k in ("params", "gradients", "optimizer")),
+                      f"{act / 1e9:,.1f}", f"{mem['total'] / 1e9:,.1f}",
+                      "yes" if mem["total"] <= roof.hardware.memory_bytes else "no")
+    console = Console(soft_wrap=True)
+    if not console.is_terminal:
+        console = Console(soft_wrap=True, width=200)
+    console.print(table)
 
 
 def _print_report(cfg, roof, args, result) -> None:
