@@ -124,7 +124,8 @@ def _check_cached(cfg: Config, shape: tuple[int, int, int]) -> None:
 
 def memory_wall(cfg: Config, devices: int, node_size: int = 8, platform: str = "gpu") -> list[tuple[str, dict]]:
     """The memory wall, step by step: per-device memory of `cfg` as each strategy is added on
-    `devices` devices (each row's layout is validated by jaxpar; a row it refuses is skipped). Each
+    `devices` devices (each row's layout is validated by jaxpar; a row it refuses carries the reason
+    instead of figures). Each
     row trains one sequence per device per microbatch, without accumulation (a pipeline streams
     2p microbatches), so that its gradients are the 4 bytes per parameter of the textbook count."""
     t = min(node_size, devices)
@@ -142,7 +143,8 @@ def memory_wall(cfg: Config, devices: int, node_size: int = 8, platform: str = "
                         parallel={"microbatches": m, "stage_layers": None, **par})
         try:
             check(c, shape)
-        except ConfigError:
+        except ConfigError as e:
+            rows.append((label, _shape_label(shape, c), str(e).split(";")[0]))
             return
         rows.append((label, _shape_label(shape, c), memory(c, shape, platform)))
 
@@ -371,7 +373,12 @@ def _print_wall(cfg, args, roof) -> None:
                         f"of {_human(roof.hardware.memory_bytes)}", caption="GB per device")
     for col in ("strategy", "(data, stage, model)", "params", "grads", "optimizer", "activations", "total", "fits"):
         table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    notes = []
     for label, shape, mem in memory_wall(cfg, args.devices, roof.hardware.node_size, args.platform):
+        if isinstance(mem, str):
+            notes.append(f"[{len(notes) + 1}] {label}: refused by jaxpar's validation: {mem}")
+            table.add_row(label, shape, *["-"] * 5, f"[{len(notes)}]")
+            continue
         act = mem["activations"] + mem["pipeline_buffers"] + mem["gathered_params"] + mem["batch"]
         table.add_row(label, shape, *(f"{mem[k] / 1e9:,.1f}" for k in ("params", "gradients", "optimizer")),
                       f"{act / 1e9:,.1f}", f"{mem['total'] / 1e9:,.1f}",
@@ -380,6 +387,8 @@ def _print_wall(cfg, args, roof) -> None:
     if not console.is_terminal:
         console = Console(soft_wrap=True, width=200)
     console.print(table)
+    for note in notes:
+        console.print(note, highlight=False)
 
 
 def _print_report(cfg, roof, args, result) -> None:
