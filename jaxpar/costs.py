@@ -309,10 +309,11 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     if zero == 3:
         # ZeRO-3 gathers each layer where it is used (two in flight: one used, one prefetched) and
         # the leaves outside the layer scan (embeddings, head) once, kept for the backward pass;
-        # with `zero3_gather: step` under a pipeline, this stage's whole parameters for the step.
+        # with `zero3_gather: step` (and microbatches or a pipeline), all of this device's
+        # parameters, kept for the step (modelled ahead of the implementation).
         blocks_layer = st["blocks"] // max(1, m.n_layers // p)
         shared = st["local"] - st["blocks"]
-        gathered = shared + (st["blocks"] if p > 1 and par.zero3_gather == "step" else 2 * blocks_layer)
+        gathered = shared + (st["blocks"] if _gather_per_step(cfg, p) else 2 * blocks_layer)
     out.update(gradients=int(grads), activations=int(saved + transient), pipeline_buffers=int(buffers),
                gathered_params=int(gathered), batch=rows * micro * (m.seq_len + 1) * 4)
     out["total"] = sum(out.values())
@@ -358,9 +359,15 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     if d > 1 and p == 1:
         if zero == 3:
             shared = st["sharded"] - st["blocks_sharded"]
-            # Per microbatch: each block layer gathered in the forward and again in the backward
-            # pass, the leaves outside the layer scan once; each gradient reduce-scattered.
-            out.append(Collective("all-gather", ("data",), 2 * st["blocks_sharded"] + shared, micro, overlap=True))
+            if _gather_per_step(cfg, p):
+                # Modelled ahead of the implementation (zero3_gather: step): each layer gathered
+                # once and kept for the step.
+                out.append(Collective("all-gather", ("data",), st["sharded"], 1, overlap=True))
+            else:
+                # Per microbatch: each block layer gathered in the forward and again in the
+                # backward pass, the leaves outside the layer scan once.
+                out.append(Collective("all-gather", ("data",), 2 * st["blocks_sharded"] + shared, micro, overlap=True))
+            # Each gradient reduce-scattered, per microbatch.
             out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d, micro, overlap=True))
             if st["local"] > st["sharded"]:
                 out.append(Collective("all-reduce", ("data",), st["local"] - st["sharded"], micro, overlap=True))
@@ -385,10 +392,20 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
         shared = st["local"] - st["blocks"]
         # Float32 accumulators reduced once after the tick loop: blocks over data, the shared
         # leaves (embeddings, head; used by the end stages) over data and stage.
-        if d > 1:
+        if d > 1 and zero >= 2:
+            # ZeRO-2/3 under a pipeline, modelled ahead of the implementation: the accumulators
+            # reduce-scattered after the loop; ZeRO-3 gathers each chunk's layers where F and B
+            # use them (per microbatch: forward, recomputed forward, backward), or once per step.
+            out.append(Collective("reduce-scatter", ("data",), st["blocks_sharded"] * f32 / d))
+            if st["blocks"] > st["blocks_sharded"]:
+                out.append(Collective("all-reduce", ("data",), (st["blocks"] - st["blocks_sharded"]) * f32))
+            if zero == 3:
+                uses = 1 if _gather_per_step(cfg, p) else 3 * micro
+                out.append(Collective("all-gather", ("data",), st["blocks_sharded"], uses, overlap=True))
+        elif d > 1:
             out.append(Collective("all-reduce", ("data",), st["blocks"] * f32))
         out.append(Collective("all-reduce", ("data", "stage") if d > 1 else ("stage",), shared * f32))
-        if d > 1 and zero >= 1 and st["sharded"]:
+        if d > 1 and zero in (1, 2) and st["sharded"]:
             out.append(Collective("all-gather", ("data",), st["sharded"]))
         if par.virtual_stages > 1 or (par.stage_layers is not None and len(set(par.stage_layers)) > 1):
             # The step reorders the block parameters into pipeline order and their gradients back
@@ -397,6 +414,13 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     if t > 1:
         out += _tensor_collectives(cfg, rows, t, sp, act_size, p)
     return out
+
+
+def _gather_per_step(cfg: Config, p: int) -> bool:
+    """ZeRO-3 with `parallel.zero3_gather: step` and several microbatches (or a pipeline): each
+    layer is gathered once per step and kept (config.py's docstring; not yet in the step)."""
+    par = cfg.parallel
+    return par.zero == 3 and par.zero3_gather == "step" and (par.microbatches > 1 or p > 1)
 
 
 def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int, p: int) -> list[Collective]:

@@ -215,3 +215,16 @@ def test_parse_bytes_units():
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("1.5 TB") == 1.5e12
+
+
+def test_zero3_gather_per_step_trades_memory_for_traffic():
+    """`parallel.zero3_gather: step` (modelled ahead of the step): the whole local parameters are
+    kept gathered, and each is gathered once per step instead of twice per microbatch."""
+    per_micro = small(mesh=(8, 1, 1), zero=3, microbatches=4)
+    per_step = per_micro.replace(parallel={"zero3_gather": "step"})
+    mem_micro, mem_step = memory(per_micro, (8, 1, 1), "cpu"), memory(per_step, (8, 1, 1), "cpu")
+    assert mem_step["gathered_params"] > mem_micro["gathered_params"]
+    assert mem_step["gathered_params"] == model_state(per_step, (8, 1, 1))["local"]
+    data_micro = compiled_bytes_per_axis(per_micro, (8, 1, 1))["data"]
+    data_step = compiled_bytes_per_axis(per_step, (8, 1, 1))["data"]
+    assert data_step < data_micro / 4
