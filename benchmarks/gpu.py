@@ -53,8 +53,9 @@ def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
 def model_flops_per_token(m) -> float:
     from jaxpar import model
 
-    import jax
     import math
+
+    import jax
 
     shapes = model.param_shapes(m)  # N: the blocks and the final norm (embeddings and lm_head excluded)
     n = sum(math.prod(x.shape) for k in ("blocks", "final_norm") for x in jax.tree.leaves(shapes[k]))
@@ -62,7 +63,6 @@ def model_flops_per_token(m) -> float:
 
 
 def run_case(name, preset, overrides, steps, warmup, peak, measured):
-    import jax
     from jaxpar.config import load_config
     from jaxpar.train.step import build
 

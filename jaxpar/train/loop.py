@@ -182,8 +182,9 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
     else:
         state = _init_state(cfg, program)
     step_fn = program.step.lower(state, program.abstract_batch()).compile()
-    evaluate = None
-    if eval_source is not None:
+    if eval_source is None:
+        evaluate = None
+    else:
         val = eval_batches(eval_source, cfg, program.batch_sharding)
         # The loss of every layout (pipeline, tensor, ZeRO) is the one of loss_and_grads; its
         # gradients are dropped (an evaluation costs about eval_batches training steps).
