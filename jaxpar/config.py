@@ -446,7 +446,7 @@ def validate(cfg: Config) -> None:
     _require(par.virtual_stages == 1 or par.schedule == "interleaved_1f1b",
              f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = interleaved_1f1b "
              f"(got {par.schedule}); set the schedule or parallel.virtual_stages=1.")
-    _not_yet(m.init_from is not None, f"model.init_from = {m.init_from!r}", "Hugging Face import",
+    _not_yet(m.init_from is not None, f"model.init_from = {m.init_from}", "Hugging Face import",
              "model.init_from=null")
 
 
