@@ -88,16 +88,19 @@ def main(argv=None) -> int:
         if is_main:
             console.print(summary(cfg, mesh), highlight=False, soft_wrap=True)
         logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries (orbax) stay quiet
-        logging.getLogger("jaxpar").setLevel(logging.INFO)
-        progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                            TimeRemainingColumn(), console=console, disable=not is_main)
+        logging.getLogger("jaxpar").setLevel(logging.INFO if is_main else logging.WARNING)
+        columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}")]
+        if cfg.train.eval_every > 0:
+            columns.append(TextColumn("val {task.fields[val]}"))
+        progress = Progress(*columns, TextColumn("{task.fields[tps]} tok/s"), TimeRemainingColumn(),
+                            console=console, disable=not is_main)
         with progress:
-            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-")
+            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-", val="-")
 
             def show(rec: dict) -> None:
+                val = {"val": f"{rec['val_loss']:.4f} (ppl {rec['val_ppl']:.2f})"} if "val_loss" in rec else {}
                 progress.update(task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
-                                tps=f"{rec['tokens_per_s']:,.0f}")
+                                tps=f"{rec['tokens_per_s']:,.0f}", **val)
 
             try:
                 records = train(cfg, mesh=mesh, callback=show)
