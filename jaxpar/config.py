@@ -446,13 +446,8 @@ def validate(cfg: Config) -> None:
     _require(par.virtual_stages == 1 or par.schedule == "interleaved_1f1b",
              f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = interleaved_1f1b "
              f"(got {par.schedule}); set the schedule or parallel.virtual_stages=1.")
-    _not_yet(tr.checkpoint_every != 0, f"train.checkpoint_every = {tr.checkpoint_every}", "checkpointing",
-             "train.checkpoint_every=0")
-    _not_yet(tr.eval_every != 0, f"train.eval_every = {tr.eval_every}", "evaluation", "train.eval_every=0")
-    _not_yet(m.init_from is not None, f"model.init_from = {m.init_from!r}", "Hugging Face import",
+    _not_yet(m.init_from is not None, f"model.init_from = {m.init_from}", "Hugging Face import",
              "model.init_from=null")
-    _not_yet(rt.num_processes is not None, f"runtime.num_processes = {rt.num_processes}", "multi-process runs",
-             "runtime.num_processes=null")
 
 
 def _not_yet(cond: bool, what: str, feature: str, fix: str) -> None:

@@ -8,6 +8,8 @@ the rule tables; Explicit axes would refuse those ops without a per-op `out_shar
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
@@ -26,12 +28,53 @@ def use_cpu_devices(n: int | None) -> None:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
         # The backend is already up: fine if it already has what was asked for.
-        have = jax.device_count()
+        have = jax.local_device_count()
         if jax.default_backend() != "cpu" or have != n:
             raise ConfigError(
                 f"runtime.cpu_devices = {n} cannot be applied: JAX already started with {have} "
                 f"{jax.default_backend()} device(s); set it before anything touches JAX "
                 f"(or set XLA_FLAGS=--xla_force_host_platform_device_count={n}).") from None
+
+
+def _launcher() -> str | None:
+    """The multi-process launcher this process runs under, if any (what jax.distributed detects)."""
+    env = os.environ
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in env:
+        return "SLURM"
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "Open MPI"
+    if "JAX_COORDINATOR_ADDRESS" in env:
+        return "JAX_COORDINATOR_ADDRESS"
+    return None
+
+
+def start_processes(cfg: Config) -> None:
+    """Join a multi-process run with `jax.distributed.initialize` before JAX starts a backend.
+
+    With runtime.coordinator / num_processes / process_id given, those are used; otherwise JAX
+    detects the launcher (SLURM `srun`, Open MPI `mpirun`, Kubernetes through
+    JAX_COORDINATOR_ADDRESS). A single process does nothing. CPU processes exchange collectives
+    through gloo (simulated devices: `runtime.cpu_devices` per process)."""
+    rt = cfg.runtime
+    if jax.distributed.is_initialized():
+        return
+    if rt.num_processes is not None:
+        if rt.num_processes == 1:
+            return
+        kwargs = {"coordinator_address": rt.coordinator, "num_processes": rt.num_processes,
+                  "process_id": rt.process_id}
+    elif _launcher() is not None:
+        kwargs = {}
+    else:
+        return
+    if rt.cpu_devices is not None or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(**kwargs)
+    except RuntimeError as e:
+        raise ConfigError(f"jax.distributed.initialize({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) "
+                          f"failed ({str(e).splitlines()[0][:200]}); check runtime.coordinator and that every "
+                          "process was started.") from None
 
 
 def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:

@@ -108,7 +108,7 @@ def test_tiny_run_writes_config_and_metrics(tmp_path):
     (["model.n_heads=4", "model.n_kv_heads=3"], "n_kv_heads = 3"),
     (["model.d_model=100", "model.n_heads=3"], "d_model = 100"),
     (["train.global_batch=12"], "train.global_batch = 12"),
-    (["train.checkpoint_every=5"], "not supported yet"),
+    (["train.keep_checkpoints=0"], "train.keep_checkpoints = 0"),
     (["parallel.virtual_stages=2"], "needs parallel.schedule = interleaved_1f1b"),
     (["mesh.model=8", "mesh.data=1", "model.n_heads=8", "model.d_ff=100"],
      "model.d_ff = 100 is not divisible by mesh.model = 8"),

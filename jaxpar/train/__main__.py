@@ -1,4 +1,8 @@
-"""`python -m jaxpar.train [--config FILE] [--set key=value]...`: train and show progress."""
+"""`python -m jaxpar.train [--config FILE] [--set key=value]...`: train and show progress.
+
+Exit codes: 0 done (or stopped by SIGTERM/SIGINT with a checkpoint saved), 2 a user error
+(config, mesh, data, checkpoint: one `error:` line, nothing written), 3 stopped on a non-finite
+loss or gradient with train.on_nan = stop (the last good state saved)."""
 
 from __future__ import annotations
 
@@ -67,13 +71,14 @@ def main(argv=None) -> int:
     console = Console(stderr=False)
     try:
         cfg = load_config(args.config, args.overrides)
-        from jaxpar.mesh import make_mesh, use_cpu_devices
+        from jaxpar.mesh import make_mesh, start_processes, use_cpu_devices
 
-        use_cpu_devices(cfg.runtime.cpu_devices)  # before anything starts a JAX backend
+        start_processes(cfg)  # a multi-process run joins before anything starts a JAX backend
+        use_cpu_devices(cfg.runtime.cpu_devices)
         import jax
 
         from jaxpar.train.data import make_source
-        from jaxpar.train.loop import check_run_dir, train
+        from jaxpar.train.loop import TrainingStopped, check_run_dir, train
 
         # User errors surface before the summary and before anything is written.
         check_run_dir(cfg)
@@ -82,21 +87,38 @@ def main(argv=None) -> int:
         is_main = jax.process_index() == 0
         if is_main:
             console.print(summary(cfg, mesh), highlight=False, soft_wrap=True)
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-        progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                            TimeRemainingColumn(), console=console, disable=not is_main)
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries (orbax) stay quiet
+        logging.getLogger("jaxpar").setLevel(logging.INFO if is_main else logging.WARNING)
+        columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}")]
+        if cfg.train.eval_every > 0:
+            columns.append(TextColumn("val {task.fields[val]}"))
+        progress = Progress(*columns, TextColumn("{task.fields[tps]} tok/s"), TimeRemainingColumn(),
+                            console=console, disable=not is_main)
         with progress:
-            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-")
+            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-", val="-")
 
             def show(rec: dict) -> None:
+                val = {"val": f"{rec['val_loss']:.4f} (ppl {rec['val_ppl']:.2f})"} if "val_loss" in rec else {}
                 progress.update(task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
-                                tps=f"{rec['tokens_per_s']:,.0f}")
+                                tps=f"{rec['tokens_per_s']:,.0f}", **val)
 
-            records = train(cfg, mesh=mesh, callback=show)
+            try:
+                records = train(cfg, mesh=mesh, callback=show)
+            except TrainingStopped as e:
+                progress.stop()
+                print(f"error: {e}", file=sys.stderr)
+                return 3
         if is_main:
-            console.print(f"done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; "
-                          f"metrics in {cfg.train.run_dir}/metrics.jsonl", highlight=False, soft_wrap=True)
+            if records.stopped is not None:
+                console.print(f"stopped by {records.stopped}: checkpoint saved in {records.checkpoint}; run the same "
+                              "command to resume", highlight=False, soft_wrap=True)
+            elif records:
+                resumed = f" (resumed from step {records.resumed_from})" if records.resumed_from is not None else ""
+                console.print(f"done{resumed}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; "
+                              f"metrics in {cfg.train.run_dir}/metrics.jsonl", highlight=False, soft_wrap=True)
+            else:
+                console.print(f"nothing to do: the checkpoint in {cfg.train.run_dir} is already at step "
+                              f"{records.resumed_from} of {cfg.train.steps}", highlight=False, soft_wrap=True)
         return 0
     except JaxparError as e:
         print(f"error: {e}", file=sys.stderr)  # one line, never wrapped: scripts grep for it

@@ -1,8 +1,10 @@
-"""Training batches: a synthetic Markov language and memory-mapped token files.
+"""Training and validation batches: a synthetic Markov language, memory-mapped token files, and
+directories written by `python -m jaxpar.data prepare` (train.bin, val.bin, meta.json).
 
 The batch of step k is a function of (seed, k) only, row by row: never of the mesh or of the
 process count. Each process builds just the rows its devices hold and assembles the global array
-with `jax.make_array_from_process_local_data`.
+with `jax.make_array_from_process_local_data`. Validation batches follow the same rule and are
+the same ones at every evaluation.
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxpar.config import Config, JaxparError
+from jaxpar.config import Config
+from jaxpar.data import DataError, read_meta
+
+__all__ = ["DataError", "SyntheticSource", "TokenFileSource", "EvalWindows", "make_source", "make_eval_source",
+           "batch_at", "eval_batches"]
+
+EVAL_STREAM = 0xE7A1
+"""Tags the synthetic language's validation rows: the same chain, an independent stream of draws."""
 
 
-class DataError(JaxparError, ValueError):
-    """A data file that cannot serve the configured model (missing, too short, bad token ids)."""
-
-
-def _row_rng(seed: int, step: int, row: int) -> np.random.Generator:
+def _row_rng(seed: int, step: int, row: int, stream: int | None = None) -> np.random.Generator:
     # One stream per (seed, step, row): any process can build any row without the others.
-    return np.random.default_rng([seed, step, row])
+    return np.random.default_rng([seed, step, row] if stream is None else [seed, stream, step, row])
 
 
 class SyntheticSource:
@@ -32,8 +37,9 @@ class SyntheticSource:
 
     PROBS = np.array([0.6, 0.25, 0.1, 0.05])
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int):
-        self.seq_len, self.seed = seq_len, seed
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, stream: int | None = None):
+        # `stream` (EVAL_STREAM for validation) draws other rows from the same chain.
+        self.seq_len, self.seed, self.stream = seq_len, seed, stream
         table_rng = np.random.default_rng([seed, 0x5EED])
         self.successors = table_rng.integers(0, vocab_size, size=(vocab_size, len(self.PROBS)))
 
@@ -48,7 +54,7 @@ class SyntheticSource:
         starts = np.empty(len(rows), np.int64)
         choices = np.empty((len(rows), n - 1), np.int64)
         for i, r in enumerate(rows):
-            rng = _row_rng(self.seed, step, r)
+            rng = _row_rng(self.seed, step, r, self.stream)
             starts[i] = rng.integers(0, self.successors.shape[0])
             choices[i] = rng.choice(len(self.PROBS), size=n - 1, p=self.PROBS)
         out = np.empty((len(rows), n), np.int32)
@@ -58,26 +64,32 @@ class SyntheticSource:
         return out
 
 
+def _open_tokens(path: str, dtype: str) -> np.ndarray:
+    """A token file, memory-mapped (an empty file as an empty array: mmap refuses length 0)."""
+    if not os.path.isfile(path):
+        raise DataError(f"data file {path!r} does not exist; set data.source to an existing token file, "
+                        "a prepared directory or `synthetic`.")
+    itemsize = np.dtype(dtype).itemsize
+    size = os.path.getsize(path)
+    if size % itemsize:
+        raise DataError(f"data file {path!r} has {size} bytes, not a multiple of {itemsize} ({dtype}); "
+                        f"check data.dtype (uint16 or uint32) matches how the file was written.")
+    return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+
+
 class TokenFileSource:
     """A flat binary file of token ids (uint16 or uint32, as nanoGPT and Megatron write them),
     memory-mapped; row r of step k is a window at an offset drawn from (seed, k, r)."""
 
-    def __init__(self, path: str, dtype: str, vocab_size: int, seq_len: int, seed: int):
-        if not os.path.isfile(path):
-            raise DataError(f"data file {path!r} does not exist; set data.source to an existing token file "
-                            "or to `synthetic`.")
-        itemsize = np.dtype(dtype).itemsize
-        size = os.path.getsize(path)
-        if size % itemsize:
-            raise DataError(f"data file {path!r} has {size} bytes, not a multiple of {itemsize} ({dtype}); "
-                            f"check data.dtype (uint16 or uint32) matches how the file was written.")
-        self.tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+    def __init__(self, path: str, dtype: str, vocab_size: int, seq_len: int, seed: int, check_ids: bool = True):
+        # check_ids=False when meta.json vouches for the ids (a prepared directory): no pass over the file.
+        self.tokens = _open_tokens(path, dtype)
         self.seq_len, self.seed = seq_len, seed
         n = len(self.tokens)
         if n < seq_len + 1:
             raise DataError(f"data file {path!r} holds {n} tokens, fewer than one sequence plus one token "
                             f"(model.seq_len + 1 = {seq_len + 1}); use a longer file or a smaller model.seq_len.")
-        top = self._max_token()
+        top = self._max_token() if check_ids else -1
         if top >= vocab_size:
             raise DataError(f"data file {path!r} contains token id {top}, but ids must be below "
                             f"model.vocab_size = {vocab_size}; set model.vocab_size to at least {top + 1} "
@@ -96,12 +108,82 @@ class TokenFileSource:
         return out
 
 
+class EvalWindows:
+    """A fixed validation set: n_windows windows of seq_len + 1 tokens, spread evenly over a token
+    file (first at 0, last at the end), not overlapping (consecutive windows may share one edge
+    token, never a predicted one). Row r of batch i is window i * global_batch + r."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int, global_batch: int):
+        self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
+        span = len(tokens) - (seq_len + 1)
+        assert n_windows >= 1 and span >= (n_windows - 1) * seq_len, (len(tokens), n_windows, seq_len)
+        self.starts = np.arange(n_windows, dtype=np.int64) * span // max(n_windows - 1, 1)
+
+    def rows(self, step: int, rows: range) -> np.ndarray:
+        n = self.seq_len + 1
+        out = np.empty((len(rows), n), np.int32)
+        for i, r in enumerate(rows):
+            start = int(self.starts[step * self.global_batch + r])
+            out[i] = self.tokens[start:start + n]
+        return out
+
+
+def _prepared_meta(cfg: Config) -> dict:
+    """meta.json of the prepared directory data.source, checked against the model's vocabulary."""
+    directory, m = cfg.data.source, cfg.model
+    meta = read_meta(directory)
+    if meta["vocab_size"] > m.vocab_size:
+        raise DataError(f"data directory {directory!r} was tokenized with vocab_size {meta['vocab_size']} "
+                        f"({meta['tokenizer']}), more than model.vocab_size = {m.vocab_size}; set "
+                        f"model.vocab_size to at least {meta['vocab_size']}, or prepare the data with a "
+                        "tokenizer that fits the model.")
+    return meta
+
+
 def make_source(cfg: Config) -> SyntheticSource | TokenFileSource:
-    """The configured source, with every check that can fail done now (before compiling)."""
+    """The configured training source, with every check that can fail done now (before compiling).
+
+    A prepared directory gives its train split, in the dtype its meta.json records (data.dtype is
+    then ignored); its vocab_size must not exceed model.vocab_size.
+    """
     m = cfg.model
     if cfg.data.source == "synthetic":
         return SyntheticSource(m.vocab_size, m.seq_len, cfg.train.seed)
+    if os.path.isdir(cfg.data.source):
+        meta = _prepared_meta(cfg)
+        path = os.path.join(cfg.data.source, meta["train"]["file"])
+        return TokenFileSource(path, meta["dtype"], m.vocab_size, m.seq_len, cfg.train.seed, check_ids=False)
     return TokenFileSource(cfg.data.source, cfg.data.dtype, m.vocab_size, m.seq_len, cfg.train.seed)
+
+
+def make_eval_source(cfg: Config) -> SyntheticSource | EvalWindows:
+    """The validation source of train.eval_batches batches of train.global_batch rows.
+
+    `synthetic`: the training chain, rows drawn from an independent stream (EVAL_STREAM), batch i
+    of (seed, i). A prepared directory: EvalWindows over its val split, which must hold
+    eval_batches x global_batch non-overlapping windows. A plain token file has no validation
+    split and is refused.
+    """
+    m, tr, src = cfg.model, cfg.train, cfg.data.source
+    if src == "synthetic":
+        return SyntheticSource(m.vocab_size, m.seq_len, tr.seed, stream=EVAL_STREAM)
+    if not os.path.isdir(src):
+        raise DataError(f"data.source = {src!r} is a single token file with no validation split, so evaluation "
+                        f"(train.eval_every = {tr.eval_every}) has nothing to use; prepare a train/val directory "
+                        "with `python -m jaxpar.data prepare` and point data.source at it, or set train.eval_every=0.")
+    meta = _prepared_meta(cfg)
+    path = os.path.join(src, meta["val"]["file"])
+    tokens = _open_tokens(path, meta["dtype"])
+    need = tr.eval_batches * tr.global_batch
+    have = max(len(tokens) - 1, 0) // m.seq_len  # windows of seq_len + 1 tokens sharing one edge token
+    if have < need:
+        fix = (f"lower train.eval_batches to {have // tr.global_batch}" if have >= tr.global_batch else
+               "set train.eval_every=0")
+        raise DataError(f"validation split {path!r} holds {len(tokens)} tokens, {have} windows of model.seq_len + 1 "
+                        f"= {m.seq_len + 1}, fewer than train.eval_batches x train.global_batch = "
+                        f"{tr.eval_batches} x {tr.global_batch} = {need}; {fix}, or prepare the data with a larger "
+                        "--val-fraction.")
+    return EvalWindows(tokens, m.seq_len, need, tr.global_batch)
 
 
 def batch_at(source, step: int, global_batch: int, sharding: NamedSharding) -> jax.Array:
@@ -114,3 +196,9 @@ def batch_at(source, step: int, global_batch: int, sharding: NamedSharding) -> j
     # and the mesh puts each process's devices in a contiguous run of it).
     local = source.rows(step, range(min(starts), max(stops)))
     return jax.make_array_from_process_local_data(sharding, local, shape)
+
+
+def eval_batches(source, cfg: Config, sharding: NamedSharding) -> list[jax.Array]:
+    """The train.eval_batches validation batches [global_batch, seq_len + 1], built like batch_at
+    (batch i is `batch_at(source, i, ...)`): the same arrays on every call, mesh and process count."""
+    return [batch_at(source, i, cfg.train.global_batch, sharding) for i in range(cfg.train.eval_batches)]

@@ -1,26 +1,61 @@
-"""The training loop: data -> jitted step -> metrics, with no host synchronisation inside the loop.
+"""The training loop: data -> jitted step -> metrics, checkpoints, evaluation, faults.
 
-A step's metrics are read only after the next step has been dispatched, so the host never makes
-the devices wait. Only process 0 writes `config.yaml` and `metrics.jsonl`.
+The host runs at most one step ahead of the devices: a step's metrics are read after the next
+step has been dispatched. Only process 0 writes `config.yaml` and `metrics.jsonl`; every process
+takes part in saving checkpoints (each writes the shards its devices hold).
+
+Faults:
+- SIGTERM / SIGINT: the step in flight finishes, a checkpoint is saved, `train` returns with
+  `History.stopped` set (the CLI prints where the checkpoint is and exits 0). A second SIGINT
+  interrupts at once.
+- A non-finite loss or gradient: the update is dropped inside the step (`train.on_nan`); `skip`
+  goes on and counts it (`skipped_steps` in the metrics); `stop` saves the state before the bad
+  step and raises `TrainingStopped`.
+- Resuming (`train.resume: auto`) takes the newest checkpoint in run_dir; a damaged one is moved
+  aside with a warning and the previous one is used (`jaxpar.train.checkpoint`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import signal
+import threading
 import time
 from typing import Callable
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxpar.config import Config, ConfigError, to_yaml
-from jaxpar.mesh import use_cpu_devices
-from jaxpar.train.data import batch_at, make_source
+from jaxpar.mesh import start_processes, use_cpu_devices
+from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.data import batch_at, eval_batches, make_eval_source, make_source
 from jaxpar.train.step import build
 
 log = logging.getLogger("jaxpar")
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped on a non-finite loss or gradient (train.on_nan = stop); the CLI exits 3."""
+
+    def __init__(self, message: str, checkpoint: str | None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+class History(list):
+    """The logged metric records (a list of dicts), plus how the run ended."""
+
+    resumed_from: int | None = None
+    """The step the run resumed from (None: started afresh)."""
+    stopped: str | None = None
+    """`SIGTERM` / `SIGINT` when a signal stopped the run early."""
+    checkpoint: str | None = None
+    """The directory of the last checkpoint saved (None if none was)."""
 
 
 def check_run_dir(cfg: Config) -> None:
@@ -40,62 +75,198 @@ def check_run_dir(cfg: Config) -> None:
                           "set train.run_dir to a writable directory.")
 
 
+class _StopSignals:
+    """SIGTERM/SIGINT set a flag that the loop reads between steps (main thread only)."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
+        self.received = signal.Signals(signum).name
+        log.warning("%s received: finishing the current step, then saving a checkpoint", self.received)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+    def agreed(self) -> str | None:
+        """The stop request, agreed by all processes (a launcher signals each at its own moment)."""
+        if jax.process_count() == 1:
+            return self.received
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.received is not None))
+        return (self.received or "SIGTERM") if np.any(flags) else None
+
+
+def _rewrite_metrics(path: str, upto: int) -> None:
+    """Keep the records of steps <= upto (a resumed run rewrites what followed its checkpoint)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= upto]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def _init_state(cfg: Config, program):
+    """Fresh parameters (from train.seed, or model.init_from's Hugging Face weights)."""
+    state = program.init(jax.random.key(cfg.train.seed))
+    if cfg.model.init_from is not None:
+        from jaxpar import hf
+
+        params = hf.load_params(cfg.model.init_from, cfg, program.state_shardings.params)
+        state = state._replace(params=params, opt_state=jax.jit(
+            program.optimizer.init, out_shardings=program.state_shardings.opt_state)(params))
+    return state
+
+
 def train(cfg: Config, *, mesh: Mesh | None = None,
-          callback: Callable[[dict], None] | None = None) -> list[dict]:
-    """Train `cfg` and return the logged metrics (one dict per logged step).
+          callback: Callable[[dict], None] | None = None) -> History:
+    """Train `cfg` and return the logged metrics (a `History`: one dict per logged step).
 
     Each record has `step` (optimizer steps done), `loss` (on that step's batch, before its
-    update), `grad_norm` (before clipping), `lr`, `step_time_s` and `tokens_per_s`. `callback`
-    is called with each record as it is logged (the CLI's progress bar).
+    update), `grad_norm` (before clipping), `lr`, `skipped_steps` (non-finite steps so far),
+    `step_time_s` and `tokens_per_s`; with evaluation, `val_loss` and `val_ppl` at eval steps.
+    `callback` is called with each record as it is logged (the CLI's progress bar).
     """
+    start_processes(cfg)
     use_cpu_devices(cfg.runtime.cpu_devices)
+    tr = cfg.train
     # Everything a user can get wrong is checked here, before anything is written or compiled.
     check_run_dir(cfg)
     source = make_source(cfg)
+    eval_source = make_eval_source(cfg) if tr.eval_every > 0 else None
+    ckpt = Checkpoints(cfg)
+    ckpt.check_resume_rules()
     program = build(cfg, mesh)
-    tr = cfg.train
+    resume_step = ckpt.candidate(program)
+    if cfg.model.init_from is not None and resume_step is None:
+        from jaxpar import hf
+
+        hf.check_folder(cfg.model.init_from, cfg.model)
+
     writer = jax.process_index() == 0
+    metrics_path = os.path.join(tr.run_dir, "metrics.jsonl")
     metrics_file = None
     if writer:
         os.makedirs(tr.run_dir, exist_ok=True)
         with open(os.path.join(tr.run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
-        metrics_file = open(os.path.join(tr.run_dir, "metrics.jsonl"), "w")
+        if resume_step is not None:
+            _rewrite_metrics(metrics_path, resume_step)
+        metrics_file = open(metrics_path, "a" if resume_step is not None else "w")
 
+    history = History()
     t = time.perf_counter()
-    state = program.init(jax.random.key(tr.seed))
+    if resume_step is not None:
+        state, history.resumed_from = ckpt.restore(program, resume_step)
+        if writer and history.resumed_from != resume_step:
+            _rewrite_metrics(metrics_path, history.resumed_from)
+        log.info("resumed from %s", os.path.join(ckpt.dir, str(history.resumed_from)))
+        if tr.on_nan == "stop" and int(jax.device_get(state.skipped)) > 0:
+            # Stop mode freezes on skipped > 0; a count carried over from a skip-mode run restarts.
+            log.info("train.on_nan = stop: skipped_steps (%d from the earlier run) restarts at 0",
+                     int(jax.device_get(state.skipped)))
+            state = state._replace(skipped=state.skipped * 0)
+    else:
+        state = _init_state(cfg, program)
     step_fn = program.step.lower(state, program.abstract_batch()).compile()
+    if eval_source is None:
+        evaluate = None
+    else:
+        val = eval_batches(eval_source, cfg, program.batch_sharding)
+        # The loss of every layout (pipeline, tensor, ZeRO) is the one of loss_and_grads; its
+        # gradients are dropped (an evaluation costs about eval_batches training steps).
+        eval_fn = program.loss_and_grads.lower(state.params, val[0]).compile()
+
+        def evaluate(params) -> dict:
+            t0 = time.perf_counter()
+            loss = sum(float(eval_fn(params, b)[0]) for b in val) / len(val)
+            last["time"] += time.perf_counter() - t0  # not counted in the step time
+            return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
     log.info("initialised and compiled in %.1f s", time.perf_counter() - t)
 
     tokens_per_step = tr.global_batch * cfg.model.seq_len
-    records: list[dict] = []
-    last = {"time": time.perf_counter(), "step": 0}
+    first = int(jax.device_get(state.step))
+    last = {"time": time.perf_counter(), "step": first}
 
-    def record(step: int, metrics: dict) -> None:
+    def record(step: int, metrics: dict, extra: dict) -> None:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for step `step`
+        values["skipped_steps"] = int(values["skipped_steps"])
         now = time.perf_counter()
-        step_time = (now - last["time"]) / (step - last["step"])
+        step_time = (now - last["time"]) / max(step - last["step"], 1)
         last.update(time=now, step=step)
-        rec = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
-        records.append(rec)
+        rec = {"step": step, **values, **extra, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
+        history.append(rec)
         if metrics_file is not None:
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
         if callback is not None:
             callback(rec)
 
-    pending = None
+    def nan_stop(step: int) -> None:
+        """Step `step` was not finite: the state froze before it (train.on_nan = stop)."""
+        # The frozen state is the state before step `step`; its `skipped` was 0 then (stop mode).
+        history.checkpoint = ckpt.save(state._replace(skipped=state.skipped * 0), program.mesh)
+        ckpt.close()
+        raise TrainingStopped(
+            f"step {step} had a non-finite loss or gradient; the last good state (after step {step - 1}) is "
+            f"saved in {history.checkpoint}; inspect the data and learning rate, then resume from it "
+            "(train.resume=auto), or set train.on_nan=skip to drop such steps.", history.checkpoint)
+
+    pending = None  # (step, metrics, logged?) of the step dispatched before
     try:
-        for k in range(tr.steps):
-            batch = batch_at(source, k, tr.global_batch, program.batch_sharding)
-            state, metrics = step_fn(state, batch)
+        with _StopSignals() as signals:
+            for k in range(first, tr.steps):
+                batch = batch_at(source, k, tr.global_batch, program.batch_sharding)
+                state, metrics = step_fn(state, batch)
+                done = k + 1
+                if pending is not None:
+                    p_step, p_metrics, p_log = pending
+                    if tr.on_nan == "stop" and int(jax.device_get(p_metrics["skipped_steps"])) > 0:
+                        nan_stop(p_step)
+                    if p_log:
+                        record(p_step, p_metrics, {})
+                is_last = done == tr.steps
+                log_now = done % tr.log_every == 0 or is_last or k == first
+                extra = {}
+                if evaluate is not None and (done % tr.eval_every == 0 or is_last):
+                    extra = evaluate(state.params)
+                if extra:  # record this step now, with its evaluation
+                    if tr.on_nan == "stop" and int(jax.device_get(metrics["skipped_steps"])) > 0:
+                        nan_stop(done)
+                    record(done, metrics, extra)
+                    pending = None
+                else:
+                    pending = (done, metrics, log_now)
+                if tr.checkpoint_every > 0 and (done % tr.checkpoint_every == 0 or is_last):
+                    history.checkpoint = ckpt.save(state, program.mesh)
+                stop = signals.agreed()
+                if stop is not None and not is_last:
+                    history.stopped = stop
+                    break
             if pending is not None:
-                record(*pending)
-            done = k + 1
-            pending = (done, metrics) if done % tr.log_every == 0 or done == tr.steps or done == 1 else None
-        if pending is not None:
-            record(*pending)
+                p_step, p_metrics, _ = pending
+                if tr.on_nan == "stop" and int(jax.device_get(p_metrics["skipped_steps"])) > 0:
+                    nan_stop(p_step)
+                record(p_step, p_metrics, {})
+            if history.stopped is not None:
+                history.checkpoint = ckpt.save(state, program.mesh)
+                log.warning("stopped by %s after step %d; checkpoint saved in %s", history.stopped,
+                            int(jax.device_get(state.step)), history.checkpoint)
+        ckpt.close()
     finally:
         if metrics_file is not None:
             metrics_file.close()
-    return records
+    return history

@@ -26,9 +26,11 @@ from jaxpar.train.optim import lr_schedule, make_optimizer
 
 
 class TrainState(NamedTuple):
-    step: jax.Array  # int32 scalar: optimizer steps taken
+    step: jax.Array  # int32 scalar: batches consumed (the data position; skipped steps count)
     params: model.Params
     opt_state: Any
+    skipped: jax.Array  # int32 scalar: steps whose loss or gradient was not finite (update dropped);
+    # with train.on_nan = stop, a positive count freezes the state (the loop then saves and stops)
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, vocab_size: int | None = None) -> jax.Array:
@@ -115,7 +117,8 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     batch_sharding = NamedSharding(mesh, compute_rules(cfg, mesh).spec(("batch", None)))
     opt_shapes = jax.eval_shape(optimizer.init, shapes)
     state_shardings = TrainState(replicated, param_shardings,
-                                 _opt_state_shardings(opt_shapes, moment_shardings, replicated))
+                                 _opt_state_shardings(opt_shapes, moment_shardings, replicated), replicated)
+    on_nan = cfg.train.on_nan
     if mesh.shape["stage"] > 1:
         from jaxpar.parallel.pipeline import make_pipeline_loss_and_grads, table_of
         from jaxpar.parallel.schedules import build as build_schedule
@@ -129,7 +132,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
 
     def init(key: jax.Array) -> TrainState:
         params = model.init_params(cfg.model, key)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
     def step(state: TrainState, batch: jax.Array):
         loss, g = loss_and_grads(state.params, batch)
@@ -138,8 +141,21 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         # parameters are then all-gathered to their (replicated) storage layout by out_shardings.
         updates = jax.lax.with_sharding_constraint(updates, moment_shardings)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(g), "lr": schedule(state.step)}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        grad_norm = optax.tree.norm(g)
+        # A non-finite loss or gradient drops the update (train.on_nan). With `stop`, the first such
+        # step also freezes the state (step count included), so what the loop saves when it sees the
+        # flag, a step or two later, is exactly the state before the bad step.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        skipped = state.skipped + (~finite).astype(jnp.int32)
+        if on_nan == "stop":
+            ok = finite & (state.skipped == 0)
+            next_step = jnp.where(ok, state.step + 1, state.step)
+        else:
+            ok, next_step = finite, state.step + 1
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "skipped_steps": skipped}
+        return TrainState(next_step, params, opt_state, skipped), metrics
 
     return Program(
         cfg=cfg, mesh=mesh, layout=layout, optimizer=optimizer, state_shardings=state_shardings,
