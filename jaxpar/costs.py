@@ -230,6 +230,14 @@ def _cached_schedule(name: str, p: int, m: int, v: int):
     return sched, table_of(sched), simulate(sched, 1.0, 2.0)
 
 
+@functools.lru_cache(maxsize=4096)
+def _simulated(name: str, p: int, m: int, v: int, b_over_f: float) -> tuple[float, float]:
+    """(time in units of F, bubble fraction) of a schedule simulated with F = 1, B = b_over_f."""
+    from jaxpar.parallel.schedules import simulate
+    sim = simulate(_cached_schedule(name, p, m, v)[0], 1.0, b_over_f)
+    return sim.total_time, sim.bubble_fraction
+
+
 def uses_flash_attention(cfg: Config, platform: str) -> bool:
     """Whether the step's attention is cuDNN's fused kernel: `model.attention: cudnn`, or `auto` on
     a GPU with bf16/fp16 compute and a head size cuDNN takes (a multiple of 8, at most 128)."""
@@ -521,15 +529,15 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[
     flops = hardware_flops_per_token(cfg, p) * tokens / (d * p * t)
     bubble = 0.0
     if p > 1:
-        from jaxpar.parallel.schedules import simulate
-
         # One microbatch through one stage's layers: F its forward FLOPs, B the rest (backward and
         # the recomputed forward), at the stated fraction of peak; the simulator adds the bubble.
         per_microbatch = flops / par.microbatches
         fwd = per_microbatch * (model_flops_per_token(cfg) / 3 + (2 * m.d_model * m.padded_vocab if m.arch == "gpt2"
                                                                   else 0)) / hardware_flops_per_token(cfg, p)
-        sim = simulate(_schedule(cfg, p)[0], fwd / peak, (per_microbatch - fwd) / peak)
-        compute, bubble = sim.total_time, sim.bubble_fraction
+        # The simulated time is linear in the costs at a fixed B/F ratio: simulate once per ratio.
+        total, bubble = _simulated(par.schedule, p, par.microbatches, par.virtual_stages,
+                                   round((per_microbatch - fwd) / fwd, 6))
+        compute = total * fwd / peak
     else:
         compute = flops / peak
     exposed = {"data": 0.0, "stage": 0.0, "model": 0.0}

@@ -82,9 +82,14 @@ def candidates(cfg: Config, devices: int, node_size: int):
                     for remat in ("none", "dots", "full"):
                         for schedule, v in schedules:
                             for m in micro:
-                                yield cfg.replace(mesh={"data": d, "stage": p, "model": t}, parallel={
-                                    "zero": zero, "sequence_parallel": sp, "remat": remat, "schedule": schedule,
-                                    "virtual_stages": v, "microbatches": m, "stage_layers": None}), (d, p, t)
+                                # dataclasses.replace, not Config.replace: these values have the
+                                # fields' types already, and re-parsing 10^4 configs is slow.
+                                yield dataclasses.replace(
+                                    cfg, mesh=dataclasses.replace(cfg.mesh, data=d, stage=p, model=t),
+                                    parallel=dataclasses.replace(
+                                        cfg.parallel, zero=zero, sequence_parallel=sp, remat=remat,
+                                        schedule=schedule, virtual_stages=v, microbatches=m,
+                                        stage_layers=None)), (d, p, t)
 
 
 @dataclasses.dataclass(frozen=True)
