@@ -225,9 +225,9 @@ def _schedule(cfg: Config, p: int):
 @functools.lru_cache(maxsize=512)
 def _cached_schedule(name: str, p: int, m: int, v: int):
     from jaxpar.parallel.pipeline import table_of
-    from jaxpar.parallel.schedules import build, simulate
+    from jaxpar.parallel.schedules import build
     sched = build(name, p, m, v)
-    return sched, table_of(sched), simulate(sched, 1.0, 2.0)
+    return sched, table_of(sched)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -263,15 +263,16 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
       accumulators of this stage's blocks and of the shared leaves (embeddings, head), reduced
       after the tick loop, plus one chunk's gradients.
     - activations: the values JAX saves for the backward pass (`saved_activation_bytes`) of one
-      microbatch (pipelines: of one chunk, which B recomputes from the stashed chunk input), plus
-      the working set of the backward pass of one layer: its values that were not saved
-      (recomputed) and at least half of its saved values again as cotangents, or the float32
-      cotangent of the logits, whichever is larger.
+      microbatch (two with accumulation: see below; pipelines: of one chunk, which B recomputes
+      from the stashed chunk input), plus the working set of the backward pass of one layer: its
+      values that were not saved (recomputed) and, without a pipeline, at least half of its saved
+      values again as cotangents; or the float32 cotangent of the logits, whichever is larger.
+      These working sets are the modelled part (measured on CPU: README, "Planning a run").
     - pipeline_buffers: the stash (chunk inputs) and the receive buffers the schedule table
       declares, v chunks each.
     """
     d, p, t = shape
-    m, mc, par = cfg.model, cfg.model, cfg.parallel
+    m, par = cfg.model, cfg.parallel
     st = model_state(cfg, shape)
     itemsize = _BYTES[m.param_dtype]
     f32 = 4 / itemsize
@@ -285,15 +286,14 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         grads = st["local"] if zero < 3 else st["grads"]
         if micro > 1:
             grads = grads * (1 + f32)
-        act = _activations(mc, rows, t, sp, par.remat, True, flash)
+        act = _activations(m, rows, t, sp, par.remat, True, flash)
         saved = act["saved"]
         buffers = 0
-        layers = m.n_layers
     else:
-        sched, table, _ = _schedule(cfg, p)
+        sched, table = _schedule(cfg, p)
         v = par.virtual_stages
         layers = m.n_layers // (p * v) if par.stage_layers is None else max(par.stage_layers)
-        chunk = dataclasses.replace(mc, n_layers=layers)
+        chunk = dataclasses.replace(m, n_layers=layers)
         # The last stage's chunk runs the head and the loss too: the most any stage saves.
         act = _activations(chunk, rows, t, sp, par.remat, True, flash)
         saved = act["saved"]
@@ -391,7 +391,7 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             if zero >= 1 and st["sharded"]:
                 out.append(Collective("all-gather", ("data",), st["sharded"]))  # the updated parameters
     if p > 1:
-        sched, table, _ = _schedule(cfg, p)
+        sched, table = _schedule(cfg, p)
         ticks = sched.num_ticks()
         msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * act_size
         # One forward and one backward ppermute every tick (idle stages send zeros).
