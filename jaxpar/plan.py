@@ -257,7 +257,7 @@ def _parser():
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):  # one sentence on stderr and exit 2, not argparse's usage dump
-            raise ConfigError(message[0].upper() + message[1:] + "; see python -m jaxpar.plan --help.")
+            raise ConfigError(message + "; see python -m jaxpar.plan --help.")
 
     from jaxpar.plan_presets import HARDWARE, MODELS
     ap = Parser(prog="python -m jaxpar.plan", description=(

@@ -198,6 +198,8 @@ def test_written_config_trains_two_steps(tmp_path):
     (["--preset", "llama-7b", "--devices", "8", "--device-memory", "80"], "is not a size with a unit"),
     (["--preset", "llama-7b", "--devices", "8", "--hardware", "tpu"], "unknown hardware preset 'tpu'"),
     (["--devices", "8"], "give the model with --preset"),
+    (["--preset", "llama-7b", "--devices", "0"], "--devices 0 must be at least 1"),
+    (["--preset", "llama-7b"], "the following arguments are required: --devices"),
     (["--preset", "llama-7b", "--devices", "1", "--device-memory", "16GB"],
      r"fits in no layout of 1 x 16.0 GB: the smallest needs .* per device \(\(data, stage, model\) = \(1, 1, 1\)"),
 ])
