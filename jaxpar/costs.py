@@ -207,14 +207,16 @@ def _bilinear(mcfg, t: int, sp: bool, remat: str, head: bool, flash: bool) -> tu
 
 
 def _activations(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool, flash: bool) -> dict[str, int]:
-    """Saved activations of `rows` sequences through `mcfg.n_layers` layers (`saved`), and of one
-    layer with no remat (`layer_all`) and with `remat` (`layer_saved`)."""
+    """Saved activations of `rows` sequences through `mcfg.n_layers` layers: stacked by the layer
+    scan (`layers`), once for the step (`fixed`: RoPE tables, the causal mask), and outside the
+    scan per row (`outside`: embedding, head, loss); and of one layer with no remat
+    (`layer_all`) and with `remat` (`layer_saved`)."""
     base = dataclasses.replace(mcfg, n_layers=1)
     a, b, c, e = _bilinear(base, t, sp, remat, head, flash)
     _, _, c0, e0 = _bilinear(base, t, sp, "none", head, flash)
     L = mcfg.n_layers
-    return {"saved": int(a + b * rows + (c + e * rows) * L), "layer_saved": int(c + e * rows),
-            "layer_all": int(c0 + e0 * rows)}
+    return {"layers": int((c + e * rows) * L), "fixed": int(a), "outside": int(b * rows),
+            "layer_saved": int(c + e * rows), "layer_all": int(c0 + e0 * rows)}
 
 
 def _schedule(cfg: Config, p: int):
@@ -287,7 +289,6 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         if micro > 1:
             grads = grads * (1 + f32)
         act = _activations(m, rows, t, sp, par.remat, True, flash)
-        saved = act["saved"]
         buffers = 0
     else:
         sched, table = _schedule(cfg, p)
@@ -296,14 +297,26 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         chunk = dataclasses.replace(m, n_layers=layers)
         # The last stage's chunk runs the head and the loss too: the most any stage saves.
         act = _activations(chunk, rows, t, sp, par.remat, True, flash)
-        saved = act["saved"]
         msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * _BYTES[m.dtype]
         buffers = v * (table.stash + table.fwd_slots + table.bwd_slots) * msg
         grads = st["local"] * (f32 + 1)
     logits = rows * m.seq_len * m.padded_vocab // t * 4
     recomputed = act["layer_all"] - act["layer_saved"]
+    if platform == "gpu":
+        # Outside the layer scan XLA's GPU fusions fold the loss's elementwise work into the
+        # backward pass, so the values JAX saves there (several [batch, seq, vocab] float32 arrays)
+        # do not materialize; what does is the float32 logits, reused in place for their
+        # cotangent, and with bf16/fp16 compute a half-size copy of that cotangent for the head's
+        # two backward matmuls (measured on an H200: README, "Planning a run").
+        head = int(logits * (1.5 if m.dtype != "float32" else 1.0))
+        working = 0
+    else:
+        # XLA's CPU backend materializes them: the saved values as traced, and the logits'
+        # cotangent as a working set of its own (measured on CPU).
+        head, working = act["outside"], logits
+    saved = act["layers"] + head
     if p == 1:
-        transient = max(recomputed, act["layer_all"] // 2, logits)
+        transient = max(recomputed, act["layer_all"] // 2, working)
         if micro > 1:
             # The first microbatch runs before the accumulation loop (it starts the float32
             # accumulator with the gradients' exact type) and XLA gives the loop body buffers of
@@ -312,7 +325,8 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     else:
         # A chunk's backward runs inside one tick (vjp of the stashed input); measured on CPU its
         # working set beyond the saved values is what remat recomputes, or the logits' cotangent.
-        transient = max(recomputed, logits)
+        transient = max(recomputed, working)
+    saved += act["fixed"]
     gathered = 0
     if zero == 3:
         # ZeRO-3 gathers each layer where it is used (two in flight: one used, one prefetched) and
