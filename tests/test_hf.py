@@ -1,4 +1,4 @@
-"""Hugging Face import / export, against transformers itself.
+"""Hugging Face import / export and generation, against transformers itself.
 
 Small LlamaForCausalLM (grouped-query attention, RoPE base 5e5, a sharded checkpoint) and
 GPT2LMHeadModel folders are written with save_pretrained from random weights (every weight,
@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -22,7 +23,9 @@ transformers = pytest.importorskip("transformers")
 
 from jaxpar import hf, model  # noqa: E402
 from jaxpar.config import Config  # noqa: E402
+from jaxpar.generate import generate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
+from jaxpar.model.decode import extend, init_cache  # noqa: E402
 from jaxpar.train.step import build  # noqa: E402
 
 VOCAB = 100  # padded to 128 by vocab_multiple 64: exercises the zero rows
@@ -199,8 +202,55 @@ def test_round_trip(arch, folders, loaded, batch, tmp_path):
         assert torch.equal(_torch_model(str(sharded))(ids).logits, orig)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_kv_cache_equals_recomputation(arch, loaded):
+    """Prefill and one cached step give the full forward's logits; greedy decoding with the cache
+    gives the tokens of greedy decoding by full recomputation."""
+    cfg, params = loaded[arch]
+    rng = np.random.default_rng()
+    prompt = [int(i) for i in rng.integers(0, VOCAB, 7)]
+    full = np.asarray(model.apply(cfg, params, jnp.asarray([prompt])))
+    cache = init_cache(cfg, 1, 12)
+    pre, cache = extend(cfg, params, jnp.asarray([prompt[:6]]), cache, jnp.int32(0))
+    one, cache = extend(cfg, params, jnp.asarray([prompt[6:]]), cache, jnp.int32(6))
+    # Different matmul shapes and a masked softmax over the cache: float32 rounding only (~1e-7).
+    np.testing.assert_allclose(np.asarray(pre)[0], full[0, :6], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(one)[0, 0], full[0, 6], atol=1e-5)
+
+    new = generate(cfg, params, prompt, 12)
+    # Full recomputation over a fixed-length window (one compile): positions after the last
+    # token cannot change its logits (causal attention).
+    toks = np.zeros((1, len(prompt) + 12), np.int32)
+    toks[0, :len(prompt)] = prompt
+    forward = jax.jit(lambda p, t: model.apply(cfg, p, t))
+    for n in range(len(prompt), len(prompt) + 12):
+        toks[0, n] = int(jnp.argmax(forward(params, toks)[0, n - 1, :VOCAB]))
+    assert new == list(toks[0, len(prompt):])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_generation_deterministic_and_tensor_parallel(arch, loaded):
+    """A seed fixes the sample; tensor parallelism over 2 devices gives the same tokens, greedy and sampled."""
+    cfg, params = loaded[arch]
+    prompt = [3, 14, 15, 92, 65]
+    a = generate(cfg, params, prompt, 10, temperature=1.0, top_k=20, seed=5)
+    assert a == generate(cfg, params, prompt, 10, temperature=1.0, top_k=20, seed=5)
+    assert a != generate(cfg, params, prompt, 10, temperature=1.0, top_k=20, seed=6), \
+        "another seed should give another sample (10 tokens among 20: equal by chance with probability ~1e-13)"
+    tp = Config(model=cfg).replace(mesh={"data": 1, "stage": 1, "model": 2})
+    mesh = make_mesh(tp, jax.devices()[:2])
+    assert generate(tp, params, prompt, 10, temperature=1.0, top_k=20, seed=5, mesh=mesh) == a
+    assert generate(tp, params, prompt, 10, mesh=mesh) == generate(cfg, params, prompt, 10)
+
+
+def test_top_k_one_is_greedy(loaded):
+    cfg, params = loaded["llama"]
+    prompt = [1, 2, 3]
+    assert generate(cfg, params, prompt, 6, temperature=2.0, top_k=1, seed=9) == generate(cfg, params, prompt, 6)
+
+
 # --------------------------------------------------------------------------------------------
-# CLI: bad input
+# CLIs: conversion round trip, generation, bad input
 
 
 def test_convert_cli(folders, tmp_path):
@@ -214,6 +264,22 @@ def test_convert_cli(folders, tmp_path):
     assert convert.main(["--from-hf", folders["gpt2"], "--to-hf", str(tmp_path / "b")]) == 0
     assert _files(tmp_path / "a") == _files(tmp_path / "b"), "the same weights must give the same bytes"
     assert convert.main(["--from-hf", folders["gpt2"], "--to-hf", str(tmp_path / "b")]) == 2, "never overwrite"
+
+
+def test_generate_cli(folders, tmp_path, capsys):
+    """`--run-dir` (a converted run) and `--hf` with tensor parallelism print the same greedy text."""
+    from jaxpar import convert
+    from jaxpar import generate as gen
+
+    run = tmp_path / "run"
+    assert convert.main(["--from-hf", folders["gpt2"], "--to", str(run)]) == 0
+    capsys.readouterr()
+    args = ["--prompt", "HELLO", "--max-new-tokens", "5", "--temperature", "0"]
+    assert gen.main(["--run-dir", str(run), *args]) == 0
+    from_run = capsys.readouterr().out
+    assert gen.main(["--hf", folders["gpt2"], *args, "--model-parallel", "2"]) == 0
+    assert capsys.readouterr().out == from_run
+    assert from_run.startswith("HELLO") and len(from_run) > len("HELLO\n")
 
 
 def _write_config(folder, **changes) -> None:
@@ -279,3 +345,11 @@ def test_cli_error_has_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "jaxpar.convert", *argv], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_generate_rejects_overlong_request(loaded):
+    from jaxpar.generate import GenerateError
+
+    cfg, params = loaded["gpt2"]
+    with pytest.raises(GenerateError, match="model.seq_len = 32"):
+        generate(cfg, params, [1] * 30, 5)
