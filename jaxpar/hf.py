@@ -255,6 +255,19 @@ def _rows(get: Getter, name: str, rows: slice, n: int, rest: tuple[slice, ...]) 
     return pad if part is None else np.concatenate([part.astype(np.float32), pad])
 
 
+def _heads(get: Getter, name: str, where: tuple[slice | None, ...], offset: int, n: slice, h: slice, H: int
+           ) -> np.ndarray:
+    """The (head, head_dim) block n x h of a dim that stores heads as (N H) from `offset`, at the
+    None of `where`: one contiguous read, or one per head when only part of head_dim is wanted."""
+    if h.stop - h.start == H:
+        spans = [slice(offset + n.start * H, offset + n.stop * H)]
+    else:
+        spans = [slice(offset + k * H + h.start, offset + k * H + h.stop) for k in range(n.start, n.stop)]
+    axis = where.index(None)
+    parts = [get(name, tuple(span if w is None else w for w in where)) for span in spans]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+
+
 def _read(e: Entry, name: str, get: Getter, idx: tuple[slice, ...], H: int) -> np.ndarray:
     """The slice `idx` of one layer's jaxpar leaf `e`, reading only the HF rows and columns it needs."""
     if e.kind == "same":  # rows may be padded (vocabulary) or fewer than the tensor's (positions)
@@ -263,18 +276,17 @@ def _read(e: Entry, name: str, get: Getter, idx: tuple[slice, ...], H: int) -> n
         return _rows(get, name, idx[1], e.hf_shape[0], (idx[0],)).T
     if e.kind == "c_bias_in":    # [N, H] from [(3 N H)]
         n, h = idx
-        return get(name, (slice(e.offset + n.start * H, e.offset + n.stop * H),)).reshape(-1, H)[:, h]
+        return _heads(get, name, (None,), e.offset, n, h, H).reshape(n.stop - n.start, h.stop - h.start)
     d, n, h = (idx[2], idx[0], idx[1]) if e.kind in ("heads_out", "c_heads_out") else idx
-    heads = slice(e.offset + n.start * H, e.offset + n.stop * H)
-    nn = n.stop - n.start
+    nn, nh = n.stop - n.start, h.stop - h.start
     if e.kind == "heads_in":     # [D, N, H] from [(N H), D]
-        return get(name, (heads, d)).reshape(nn, H, -1)[:, h, :].transpose(2, 0, 1)
+        return _heads(get, name, (None, d), e.offset, n, h, H).reshape(nn, nh, -1).transpose(2, 0, 1)
     if e.kind == "heads_out":    # [N, H, D] from [D, (N H)]
-        return get(name, (d, heads)).reshape(-1, nn, H)[:, :, h].transpose(1, 2, 0)
+        return _heads(get, name, (d, None), e.offset, n, h, H).reshape(-1, nn, nh).transpose(1, 2, 0)
     if e.kind == "c_heads_in":   # [D, N, H] from Conv1D [D, (3 N H)]
-        return get(name, (d, heads)).reshape(-1, nn, H)[:, :, h]
+        return _heads(get, name, (d, None), e.offset, n, h, H).reshape(-1, nn, nh)
     if e.kind == "c_heads_out":  # [N, H, D] from Conv1D [(N H), D]
-        return get(name, (heads, d)).reshape(nn, H, -1)[:, h, :]
+        return _heads(get, name, (None, d), e.offset, n, h, H).reshape(nn, nh, -1)
     raise AssertionError(e.kind)
 
 

@@ -7,6 +7,7 @@ onto meshes (1, 1, 1) and (2, 2, 2) and must give transformers' logits, loss and
 PyTorch and transformers are test-only dependencies.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -148,6 +149,50 @@ def test_matches_transformers(arch, mesh, folders, batch, reference):
             continue
         rel = _rel(x, g)
         assert rel < 1e-4, f"gradient of {jax.tree_util.keystr(path)} differs from transformers' by {rel:.2e}"
+
+
+def test_reads_only_what_each_device_holds(folders, loaded):
+    """Under ZeRO-3 with tensor parallelism (data 4 x model 2: dims split over both axes), every
+    array is assembled from per-device slices equal to the single-device load, and each slice is
+    read from the checkpoint alone: no more elements than the slice holds."""
+    for arch, folder in folders.items():
+        cfg = Config(model=hf.config_from_hf(folder)).replace(
+            mesh={"data": 4, "stage": 1, "model": 2}, parallel={"zero": 3, "zero_min_elements": 0},
+            train={"global_batch": 4})
+        shardings = build(cfg, make_mesh(cfg)).state_shardings.params
+        params = hf.load_params(folder, cfg, shardings)
+        mcfg, want = loaded[arch]
+        for got, ref, s in zip(jax.tree.leaves(params), jax.tree.leaves(want), jax.tree.leaves(shardings), strict=True):
+            assert got.sharding == s and np.array_equal(got, ref)
+
+        from safetensors.numpy import load_file
+
+        tensors = {}
+        for f in os.listdir(folder):
+            if f.endswith(".safetensors"):
+                tensors |= load_file(os.path.join(folder, f))
+        split = 0
+        for e in hf.entries(mcfg, hf._gpt2_prefix(mcfg, tensors)):
+            leaf = hf._leaf(want, e.path)
+            for idx in {tuple((x.start, x.stop) for x in hf._normalize(i, leaf.shape))
+                        for i in hf._leaf(shardings, e.path).devices_indices_map(leaf.shape).values()}:
+                idx = tuple(slice(*x) for x in idx)
+                read = []
+                out = hf.read_leaf(mcfg, e, lambda n, sl: read.append(tensors[n][sl].size) or tensors[n][sl], idx,
+                                   leaf.shape)
+                assert np.array_equal(out, np.asarray(leaf)[idx]), e.path
+                assert sum(read) <= out.size, f"{e.path}: read {sum(read)} elements for a slice of {out.size}"
+                split += out.size < leaf.size
+        assert split > 0, "the shardings should split some parameters"
+
+
+def test_load_refuses_another_model(folders):
+    """A training config that describes another model than the folder's is refused by name."""
+    cfg = hf.config_from_hf(folders["llama"])
+    with pytest.raises(hf.HFError, match=r"model.d_ff = 128 does not match 96"):
+        hf.load_params(folders["llama"], Config(model=cfg).replace(model={"d_ff": 128}), None)
+    with pytest.raises(hf.HFError, match=r"seq_len = 64 exceeds the 32 positions"):
+        hf.load_params(folders["gpt2"], dataclasses.replace(hf.config_from_hf(folders["gpt2"]), seq_len=64), None)
 
 
 @pytest.fixture(scope="module")
