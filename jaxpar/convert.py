@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from jaxpar.config import Config, JaxparError, TrainConfig, load_config, to_yaml
-from jaxpar.hf import HFError, config_from_hf, load_params, save_params, tokenizer_files
+from jaxpar.hf import HFError, config_from_hf, load_params, publish, save_params, tokenizer_files
 
 RUN_WEIGHTS = "hf"  # TODO(checkpoints): an orbax checkpoint once jaxpar.train.checkpoint exists
 
@@ -51,16 +51,15 @@ def hf_to_run(src: str, run_dir: str, seq_len: int | None = None) -> Config:
     if os.path.exists(run_dir):
         raise HFError(f"{run_dir!r} already exists; choose a new run directory (nothing is overwritten).")
     parent = os.path.dirname(run_dir)
-    if not os.path.isdir(parent):
-        raise HFError(f"the parent {parent!r} of {run_dir!r} does not exist; create it first.")
     cfg = Config(model=config_from_hf(src, seq_len=seq_len), train=TrainConfig(run_dir=run_dir))
     params = load_params(src, cfg, _on_host(cfg))
+    os.makedirs(parent, exist_ok=True)  # only now: every check and read has passed
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(run_dir)}.tmp-", dir=parent)
     try:
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(to_yaml(cfg))
         save_params(params, cfg, os.path.join(tmp, RUN_WEIGHTS), extra_files=tokenizer_files(src))
-        os.rename(tmp, run_dir)
+        publish(tmp, run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

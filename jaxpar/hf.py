@@ -512,8 +512,6 @@ def save_params(params: dict, cfg, folder: str, *, max_shard_bytes: int = MAX_SH
     if os.path.exists(folder):
         raise HFError(f"{folder!r} already exists; choose a new folder (nothing is overwritten).")
     parent = os.path.dirname(folder)
-    if not os.path.isdir(parent):
-        raise HFError(f"the parent {parent!r} of {folder!r} does not exist; create it first.")
     tensors = to_tensors(mcfg, params)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -523,6 +521,7 @@ def save_params(params: dict, cfg, folder: str, *, max_shard_bytes: int = MAX_SH
             size = 0
         shards[-1][name] = x
         size += x.nbytes
+    os.makedirs(parent, exist_ok=True)  # only now: every check and read has passed
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.tmp-", dir=parent)
     try:
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
@@ -541,10 +540,19 @@ def save_params(params: dict, cfg, folder: str, *, max_shard_bytes: int = MAX_SH
                 f.write("\n")
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, os.path.join(tmp, name))
-        os.rename(tmp, folder)
+        publish(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def publish(tmp: str, target: str) -> None:
+    """Rename the finished temporary directory `tmp` to `target`, with the permissions a directory
+    made by os.makedirs would have (mkdtemp makes it private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    os.rename(tmp, target)
 
 
 def tokenizer_files(folder: str) -> dict[str, str]:

@@ -374,7 +374,7 @@ def test_bad_input(case, folders, tmp_path, capsys):
     src = tmp_path / "src"
     src.mkdir()
     bad = make(folders, src)
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "out"  # its parent is created only once everything has been read
     for argv in (["--from-hf", bad, "--to", str(out)], ["--from-hf", bad, "--to-hf", str(out)]):
         capsys.readouterr()
         assert convert.main(argv) == 2
