@@ -26,7 +26,7 @@ import jax
 import ml_dtypes  # noqa: F401  (registers numpy's `bfloat16`, which safetensors' numpy reader needs)
 import numpy as np
 
-from jaxpar.config import JaxparError, ModelConfig
+from jaxpar.config import Config, ConfigError, JaxparError, ModelConfig, validate
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -91,9 +91,24 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
         raise HFError(f"{path!r} has model_type = {arch!r}, which jaxpar does not support; jaxpar reads "
                       "`llama` and `gpt2` models.")
     v = lambda key, default=...: _value(hf, path, key, default)  # noqa: E731
+
+    def i(key: str, default: Any = ...) -> int:
+        value = v(key, default)
+        _refuse(isinstance(value, int) and not isinstance(value, bool) and value > 0, path, f"{key} = {value!r}",
+                f"{key} must be a positive integer")
+        return value
+
+    def f(key: str, default: float) -> float:
+        value = v(key, default)
+        _refuse(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, path,
+                f"{key} = {value!r}", f"{key} must be a positive number")
+        return float(value)
+
     if arch == "llama":
-        d, n = v("hidden_size"), v("num_attention_heads")
+        d, n = i("hidden_size"), i("num_attention_heads")
         rope = hf.get("rope_parameters") or {}
+        if "rope_theta" in rope:  # transformers 5 keeps it there
+            hf = {**hf, "rope_theta": rope["rope_theta"]}
         scaling = hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", scaling.get("rope_type", scaling.get("type", "default"))))
         _refuse(rope_type == "default", path, f"RoPE type {rope_type!r}",
@@ -102,17 +117,17 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
                 "jaxpar's llama MLP is SwiGLU with silu")
         _refuse(not hf.get("attention_bias") and not hf.get("mlp_bias"), path, "attention_bias or mlp_bias",
                 "jaxpar's llama has no biases")
-        _refuse(v("head_dim", d // n) == d // n, path, f"head_dim = {hf.get('head_dim')}",
+        _refuse(i("head_dim", d // n) == d // n, path, f"head_dim = {hf.get('head_dim')}",
                 f"jaxpar's head_dim is hidden_size / num_attention_heads = {d // n}")
         _refuse(not hf.get("tie_word_embeddings", False), path, "tie_word_embeddings = true",
                 "jaxpar's llama has an untied output projection (lm_head); use an untied checkpoint")
-        max_pos = v("max_position_embeddings", 2048)
-        fields = dict(n_layers=v("num_hidden_layers"), d_model=d, n_heads=n, n_kv_heads=v("num_key_value_heads", n),
-                      d_ff=v("intermediate_size"), norm_eps=float(v("rms_norm_eps", 1e-6)),
-                      rope_theta=float(rope.get("rope_theta", v("rope_theta", 10000.0))))
+        max_pos = i("max_position_embeddings", 2048)
+        fields = dict(n_layers=i("num_hidden_layers"), d_model=d, n_heads=n, n_kv_heads=i("num_key_value_heads", n),
+                      d_ff=i("intermediate_size"), norm_eps=f("rms_norm_eps", 1e-6),
+                      rope_theta=f("rope_theta", 10000.0))
         default_len = min(max_pos, LLAMA_SEQ_CAP)
     else:
-        d = v("n_embd")
+        d = i("n_embd")
         act = v("activation_function", "gelu_new")
         _refuse(act in ("gelu_new", "gelu_pytorch_tanh"), path, f"activation_function = {act!r}",
                 "jaxpar's gpt2 MLP uses the tanh approximation of GELU (gelu_new)")
@@ -122,16 +137,21 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
                 "jaxpar's gpt2 attention is plain causal self-attention scaled by 1/sqrt(head_dim)")
         _refuse(hf.get("tie_word_embeddings", True), path, "tie_word_embeddings = false",
                 "jaxpar's gpt2 ties its output projection to the token embedding")
-        max_pos = v("n_positions", v("max_position_embeddings", 1024))
-        fields = dict(n_layers=v("n_layer"), d_model=d, n_heads=v("n_head"), n_kv_heads=None,
-                      d_ff=v("n_inner", 4 * d), norm_eps=float(v("layer_norm_epsilon", 1e-5)))
+        max_pos = i("n_positions", i("max_position_embeddings", 1024))
+        fields = dict(n_layers=i("n_layer"), d_model=d, n_heads=i("n_head"), n_kv_heads=None,
+                      d_ff=i("n_inner", 4 * d), norm_eps=f("layer_norm_epsilon", 1e-5))
         default_len = max_pos
     if seq_len is not None and seq_len > max_pos:
         raise HFError(f"seq_len = {seq_len} exceeds the {max_pos} positions of {path!r}; choose seq_len <= {max_pos}.")
     if "initializer_range" in hf:
-        fields["init_std"] = float(hf["initializer_range"])
-    return ModelConfig(arch=arch, vocab_size=v("vocab_size"), vocab_multiple=vocab_multiple,
-                       seq_len=default_len if seq_len is None else seq_len, **fields)
+        fields["init_std"] = f("initializer_range", 0.02)
+    cfg = ModelConfig(arch=arch, vocab_size=i("vocab_size"), vocab_multiple=vocab_multiple,
+                      seq_len=default_len if seq_len is None else seq_len, **fields)
+    try:
+        validate(Config(model=cfg))
+    except ConfigError as e:
+        raise HFError(f"{path!r} describes a model jaxpar cannot build: {e}") from None
+    return cfg
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:

@@ -355,6 +355,9 @@ BAD = {
     "config_does_not_match_shapes": (
         lambda f, tmp: (_copy(f["llama"], tmp / "m"), _write_config(tmp / "m", intermediate_size=80))[0],
         "has shape [96, 64], but"),
+    "config_value_of_wrong_type": (
+        lambda f, tmp: (_copy(f["llama"], tmp / "m"), _write_config(tmp / "m", hidden_size="64"))[0],
+        "hidden_size = '64'"),
     "missing_shard": (lambda f, tmp: (_copy(f["llama"], tmp / "m"), _remove_a_shard(tmp / "m"))[0],
                       "does not exist"),
     "tied_llama": (lambda f, tmp: (_copy(f["llama"], tmp / "m"), _write_config(tmp / "m", tie_word_embeddings=True))[0],
