@@ -327,6 +327,27 @@ def test_generate_cli(folders, tmp_path, capsys):
     assert from_run.startswith("HELLO") and len(from_run) > len("HELLO\n")
 
 
+def test_generate_uses_the_folder_tokenizer(folders, tmp_path, capsys):
+    """A tokenizer.json in the folder travels through conversion and tokenizes the prompt."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from jaxpar import convert
+    from jaxpar import generate as gen
+
+    src = _copy(folders["gpt2"], tmp_path / "src")
+    words = ["<unk>"] + [f"w{k}" for k in range(VOCAB - 1)]
+    tok = Tokenizer(models.WordLevel({w: k for k, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(src, "tokenizer.json"))
+    run = tmp_path / "run"
+    assert convert.main(["--from-hf", src, "--to", str(run)]) == 0
+    assert os.path.isfile(run / "hf" / "tokenizer.json")
+    capsys.readouterr()
+    assert gen.main(["--run-dir", str(run), "--prompt", "w98 w97", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    text = capsys.readouterr().out.split()
+    assert text[:2] == ["w98", "w97"] and len(text) == 6 and all(w in words for w in text), text
+
+
 def _write_config(folder, **changes) -> None:
     path = os.path.join(folder, "config.json")
     with open(path) as f:
