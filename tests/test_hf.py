@@ -422,3 +422,32 @@ def test_generate_rejects_overlong_request(loaded):
     cfg, params = loaded["gpt2"]
     with pytest.raises(GenerateError, match="model.seq_len = 32"):
         generate(cfg, params, [1] * 30, 5)
+
+
+@pytest.mark.slow
+def test_single_kv_head_under_tensor_parallelism(tmp_path):
+    """n_kv_heads = 1 < t: the kv projections are replicated over `model`; loading onto ZeRO-1 x TP
+    training shardings gives transformers' loss, and TP generation (t = 2, 4) the same tokens."""
+    c = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=SEQ,
+                                 tie_word_embeddings=False)
+    m = transformers.LlamaForCausalLM(c)
+    _randomize(m, seed=3)
+    m.eval().save_pretrained(tmp_path / "m")
+    folder = str(tmp_path / "m")
+    cfg = Config(model=hf.config_from_hf(folder)).replace(mesh={"data": 4, "stage": 1, "model": 2},
+                                                          parallel={"zero": 1}, train={"global_batch": BATCH})
+    program = build(cfg, make_mesh(cfg))
+    params = hf.load_params(folder, cfg, program.state_shardings.params)
+    toks = np.random.default_rng().integers(0, VOCAB, (BATCH, SEQ + 1))
+    loss, _ = program.loss_and_grads(params, jax.device_put(toks, program.batch_sharding))
+    ids = torch.tensor(toks)
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(m(ids[:, :-1]).logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    assert abs(float(loss) - float(ref)) <= 1e-4 * float(ref)  # float32 rounding, relative as in the issue
+    one = hf.load_params(folder, cfg.model, _one_device(cfg))
+    want = generate(cfg.model, one, [1, 2, 3], 8, temperature=1.0, top_k=5, seed=1)
+    for t in (2, 4):
+        tp = cfg.replace(mesh={"data": 1, "stage": 1, "model": t})
+        assert generate(tp, one, [1, 2, 3], 8, temperature=1.0, top_k=5, seed=1,
+                        mesh=make_mesh(tp, jax.devices()[:t])) == want
