@@ -1,9 +1,10 @@
 """`python -m jaxpar.convert`: Hugging Face folders to and from jaxpar run directories.
 
-  --from-hf DIR --to RUN_DIR      a run directory: config.yaml + the weights (for now as hf/, a
-                                  Hugging Face folder; later a checkpoint)
+  --from-hf DIR --to RUN_DIR      a run directory: config.yaml, a step-0 checkpoint of the weights
+                                  (train it with `python -m jaxpar.train --config RUN_DIR/config.yaml`)
+                                  and the folder's tokenizer files
   --from-hf DIR --to-hf OUT       a round trip through jaxpar's layout
-  --run-dir RUN --to-hf OUT       a run directory's weights as a Hugging Face folder
+  --run-dir RUN --to-hf OUT       a run directory's newest checkpoint as a Hugging Face folder
 
 Outputs are written under a temporary name and renamed: they appear whole or not at all, and an
 existing output is never overwritten. Conversion holds the whole model in host memory.
@@ -17,11 +18,8 @@ import shutil
 import sys
 import tempfile
 
-from jaxpar.config import Config, JaxparError, TrainConfig, load_config, to_yaml
+from jaxpar.config import Config, JaxparError, TrainConfig, to_yaml
 from jaxpar.hf import HFError, config_from_hf, load_params, publish, save_params, tokenizer_files
-
-RUN_WEIGHTS = "hf"  # TODO(checkpoints): an orbax checkpoint once jaxpar.train.checkpoint exists
-
 
 def _on_host(cfg) -> dict:
     import jax
@@ -32,21 +30,11 @@ def _on_host(cfg) -> dict:
     return jax.tree.map(lambda _: cpu, model.param_shapes(getattr(cfg, "model", cfg)))
 
 
-def read_run(run_dir: str) -> tuple[Config, str]:
-    """The config of a run directory and the folder of its weights."""
-    path = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(path):
-        raise HFError(f"run directory {run_dir!r} has no config.yaml; pass a directory written by jaxpar.train "
-                      "or jaxpar.convert.")
-    folder = os.path.join(run_dir, RUN_WEIGHTS)
-    if not os.path.isdir(folder):
-        raise HFError(f"run directory {run_dir!r} holds no weights in {RUN_WEIGHTS}/; write them with "
-                      "`python -m jaxpar.convert --from-hf DIR --to RUN_DIR`.")
-    return load_config(path).replace(model={"init_from": None}), folder
-
-
 def hf_to_run(src: str, run_dir: str, seq_len: int | None = None) -> Config:
-    """Write `run_dir` (config.yaml + hf/) from the Hugging Face folder `src`; returns its config."""
+    """Write `run_dir` (config.yaml, a step-0 checkpoint, tokenizer files) from the Hugging Face
+    folder `src`; returns its config."""
+    from jaxpar.train.checkpoint import save_initial
+
     run_dir = os.path.abspath(run_dir)
     if os.path.exists(run_dir):
         raise HFError(f"{run_dir!r} already exists; choose a new run directory (nothing is overwritten).")
@@ -58,7 +46,9 @@ def hf_to_run(src: str, run_dir: str, seq_len: int | None = None) -> Config:
     try:
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(to_yaml(cfg))
-        save_params(params, cfg, os.path.join(tmp, RUN_WEIGHTS), extra_files=tokenizer_files(src))
+        save_initial(cfg, params, tmp)
+        for name, path in tokenizer_files(src).items():
+            shutil.copyfile(path, os.path.join(tmp, name))
         publish(tmp, run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -68,11 +58,17 @@ def hf_to_run(src: str, run_dir: str, seq_len: int | None = None) -> Config:
 
 def to_hf(out: str, *, src: str | None = None, run_dir: str | None = None) -> None:
     """Write the Hugging Face folder `out` from a Hugging Face folder `src` or a run directory."""
+    from jaxpar.train.checkpoint import restore_params
+
     if run_dir is not None:
-        cfg, folder = read_run(run_dir)
+        if not os.path.isdir(run_dir):
+            raise HFError(f"run directory {run_dir!r} does not exist; pass a directory written by jaxpar.train "
+                          "(with checkpoints) or jaxpar.convert.")
+        cfg, params = restore_params(run_dir, _on_host)
+        folder = run_dir
     else:
         cfg, folder = Config(model=config_from_hf(src)), src
-    params = load_params(folder, cfg, _on_host(cfg))
+        params = load_params(folder, cfg, _on_host(cfg))
     save_params(params, cfg, out, extra_files=tokenizer_files(folder))
 
 
@@ -100,7 +96,7 @@ def main(argv=None) -> int:
                               "(use --to-hf to export a run directory).")
             cfg = hf_to_run(args.from_hf, args.to, args.seq_len)
             print(f"wrote {args.to}: config.yaml ({cfg.model.arch}, {cfg.model.n_layers} layers, d_model "
-                  f"{cfg.model.d_model}, vocab {cfg.model.vocab_size}) and {RUN_WEIGHTS}/")
+                  f"{cfg.model.d_model}, vocab {cfg.model.vocab_size}) and a step-0 checkpoint")
         else:
             if args.seq_len is not None:
                 raise HFError("--seq-len applies to --to RUN_DIR only; drop it with --to-hf.")

@@ -155,7 +155,7 @@ def _programs(cfg: Config, mesh, greedy: bool, top_k: int | None):
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jaxpar.generate", description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--run-dir", help="a run directory (config.yaml + hf/, as `jaxpar.convert --to` writes)")
+    src.add_argument("--run-dir", help="a run directory with checkpoints (jaxpar.train, or jaxpar.convert --to)")
     src.add_argument("--hf", help="a Hugging Face model folder (config.json + *.safetensors)")
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate (default 50)")
@@ -169,29 +169,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load(run_dir: str | None, hf_dir: str | None, mesh_model: int):
-    """(Config, params on the mesh, mesh or None, folder holding the weights and any tokenizer)."""
+    """(Config, params on the mesh, mesh or None, folder holding any tokenizer.json)."""
     import jax
 
     from jaxpar import hf, model
-    from jaxpar.config import load_config
     from jaxpar.mesh import make_mesh
+    from jaxpar.train.checkpoint import restore_params, run_config
 
     if run_dir is not None:
-        cfg_path = os.path.join(run_dir, "config.yaml")
-        if not os.path.isfile(cfg_path):
-            raise GenerateError(f"run directory {run_dir!r} has no config.yaml; pass a directory written by "
-                                "jaxpar.train or jaxpar.convert.")
-        # TODO(checkpoints): read the latest checkpoint once jaxpar.train.checkpoint exists.
-        folder = os.path.join(run_dir, "hf")
-        if not os.path.isdir(folder):
-            raise GenerateError(f"run directory {run_dir!r} holds no weights in hf/; write them with "
-                                "`python -m jaxpar.convert --from-hf DIR --to RUN_DIR`.")
-        cfg = load_config(cfg_path).replace(model={"init_from": None})
+        if not os.path.isdir(run_dir):
+            raise GenerateError(f"run directory {run_dir!r} does not exist; pass a directory written by "
+                                "jaxpar.train (with checkpoints) or jaxpar.convert.")
+        cfg = run_config(run_dir)[0]
+        folder = _run_tokenizer_folder(run_dir, cfg)
     else:
         folder = hf_dir
         cfg = Config(model=hf.config_from_hf(folder))
-    cfg = cfg.replace(mesh={"data": 1, "stage": 1, "model": mesh_model}, parallel={"sequence_parallel": False},
-                      train={"global_batch": 1})
+    cfg = cfg.replace(mesh={"data": 1, "stage": 1, "model": mesh_model},
+                      parallel={"sequence_parallel": False, "zero": 0, "microbatches": 1, "virtual_stages": 1,
+                                "stage_layers": None},
+                      train={"global_batch": 1}, model={"init_from": None})
     if mesh_model < 1 or mesh_model > jax.device_count():
         raise GenerateError(f"--model-parallel {mesh_model} must lie in 1 .. {jax.device_count()} (the devices "
                             "there are).")
@@ -199,7 +196,20 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_model: int):
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = param_shardings(cfg, mesh) if mesh is not None else jax.tree.map(lambda _: one,
                                                                                  model.param_shapes(cfg.model))
+    if run_dir is not None:
+        return cfg, restore_params(run_dir, shardings)[1], mesh, folder
     return cfg, hf.load_params(folder, cfg, shardings), mesh, folder
+
+
+def _run_tokenizer_folder(run_dir: str, cfg: Config) -> str:
+    """Where a run's tokenizer.json is: the run directory (jaxpar.convert copies it there), else
+    the prepared data directory it trained on; without one, the byte tokenizer is used."""
+    if os.path.isfile(os.path.join(run_dir, "tokenizer.json")):
+        return run_dir
+    source = cfg.data.source
+    if os.path.isdir(source) and os.path.isfile(os.path.join(source, "tokenizer.json")):
+        return source
+    return run_dir
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,7 @@ PyTorch and transformers are test-only dependencies.
 """
 
 import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -304,7 +305,8 @@ def test_convert_cli(folders, tmp_path):
 
     run = tmp_path / "run"
     assert convert.main(["--from-hf", folders["gpt2"], "--to", str(run)]) == 0
-    assert sorted(os.listdir(run)) == ["config.yaml", "hf"]
+    assert {"checkpoints", "config.yaml"} <= set(os.listdir(run))  # + the folder's tokenizer/generation files
+    assert os.listdir(run / "checkpoints") == ["0"]  # a step-0 checkpoint: `jaxpar.train` fine-tunes from it
     assert convert.main(["--run-dir", str(run), "--to-hf", str(tmp_path / "a")]) == 0
     assert convert.main(["--from-hf", folders["gpt2"], "--to-hf", str(tmp_path / "b")]) == 0
     assert _files(tmp_path / "a") == _files(tmp_path / "b"), "the same weights must give the same bytes"
@@ -341,7 +343,7 @@ def test_generate_uses_the_folder_tokenizer(folders, tmp_path, capsys):
     tok.save(os.path.join(src, "tokenizer.json"))
     run = tmp_path / "run"
     assert convert.main(["--from-hf", src, "--to", str(run)]) == 0
-    assert os.path.isfile(run / "hf" / "tokenizer.json")
+    assert os.path.isfile(run / "tokenizer.json")
     capsys.readouterr()
     assert gen.main(["--run-dir", str(run), "--prompt", "w98 w97", "--max-new-tokens", "4", "--temperature", "0"]) == 0
     text = capsys.readouterr().out.split()
@@ -451,3 +453,53 @@ def test_single_kv_head_under_tensor_parallelism(tmp_path):
         tp = cfg.replace(mesh={"data": 1, "stage": 1, "model": t})
         assert generate(tp, one, [1, 2, 3], 8, temperature=1.0, top_k=5, seed=1,
                         mesh=make_mesh(tp, jax.devices()[:t])) == want
+
+
+# --------------------------------------------------------------------------------------------
+# Fine-tuning: prepared text + model.init_from, then generation from the run's checkpoint
+
+
+def test_finetune_from_hf_lowers_validation_loss(folders, tmp_path, capsys):
+    """Three commands of README: `data prepare` (a tokenizer.json), train with `init_from` on a
+    (2, 2, 2) mesh, generate from the run directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    import jaxpar
+    from jaxpar import data as prep
+    from jaxpar import generate as gen
+
+    words = ["<unk>"] + [f"w{k}" for k in range(VOCAB - 1)]
+    tok = Tokenizer(models.WordLevel({w: k for k, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    # A text the random model cannot know: cycles of 12 words, each line starting at a random phase.
+    rng = np.random.default_rng(0)
+    text = tmp_path / "text"
+    text.mkdir()
+    for f in range(4):
+        lines = [" ".join(f"w{1 + (p + i) % 12}" for i in range(40)) for p in rng.integers(0, 12, 60)]
+        (text / f"{f}.txt").write_text("\n".join(lines) + "\n")
+    prep.prepare([str(text)], str(tmp_path / "data"), tokenizer=str(tmp_path / "tokenizer.json"), val_fraction=0.2)
+
+    run = tmp_path / "run"
+    cfg = jaxpar.load_config(None, [
+        *(f"model.{k}={v}" for k, v in dataclasses.asdict(hf.config_from_hf(folders["llama"], seq_len=SEQ)).items()
+          if v is not None),
+        f"model.init_from={folders['llama']}", f"data.source={tmp_path / 'data'}",
+        "mesh.data=2", "mesh.stage=2", "mesh.model=2", "parallel.microbatches=2",
+        "train.steps=12", "train.global_batch=8", "train.lr=3e-3", "train.warmup_steps=1", "train.log_every=1",
+        "train.eval_every=1", "train.eval_batches=2", "train.checkpoint_every=12", f"train.run_dir={run}"])
+    history = jaxpar.train(cfg)
+    val = [r["val_loss"] for r in history]
+    assert val[-1] < 0.7 * val[0], val  # the cycles are easy: the loss falls by far more than noise
+    # The run started from the folder's weights (not from train.seed), placed on the (2, 2, 2) mesh.
+    loop = importlib.import_module("jaxpar.train.loop")
+    program = build(cfg)
+    start = jax.device_get(loop._init_state(cfg, program).params)
+    want = jax.device_get(hf.load_params(folders["llama"], cfg, _one_device(cfg)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(want), strict=True))
+    capsys.readouterr()
+    assert gen.main(["--run-dir", str(run), "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "4",
+                     "--temperature", "0"]) == 0
+    out = capsys.readouterr().out.split()
+    assert out[:4] == ["w1", "w2", "w3", "w4"] and len(out) == 8 and all(w in words for w in out), out
