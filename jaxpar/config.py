@@ -442,18 +442,9 @@ def validate(cfg: Config) -> None:
     # The batch's divisibility over data x microbatches is checked with the mesh (`check_batch`),
     # once the data size is resolved against the devices: a wrong mesh is reported first.
 
-    # What later work implements: refuse rather than silently ignore.
     _require(par.virtual_stages == 1 or par.schedule == "interleaved_1f1b",
              f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = interleaved_1f1b "
              f"(got {par.schedule}); set the schedule or parallel.virtual_stages=1.")
-    _not_yet(m.init_from is not None, f"model.init_from = {m.init_from}", "Hugging Face import",
-             "model.init_from=null")
-
-
-def _not_yet(cond: bool, what: str, feature: str, fix: str) -> None:
-    if cond:
-        raise ConfigError(f"{what} is not supported yet ({feature} is not implemented in this version of jaxpar); "
-                          f"set {fix}.")
 
 
 def _nearest_divisor(n: int, near: int) -> int:

@@ -343,18 +343,6 @@ def test_global_batch_must_divide_over_data_resolved_by_the_mesh():
 # Not supported yet: refused, never silently ignored
 
 
-@pytest.mark.parametrize("override, fix", [
-    ("model.init_from=/some/hf/folder", "model.init_from=null"),
-])
-def test_later_features_are_not_supported_yet(override, fix):
-    extra = ["mesh.data=4"] if override.startswith("mesh.") else []
-    with pytest.raises(ConfigError) as err:
-        load_config(None, [override, *extra])
-    key, value = override.split("=")
-    msg = _assert_clear(err, f"{key} = {value}", fix)
-    assert "not supported yet" in msg
-
-
 def test_out_of_range_zero_is_a_range_error_not_a_feature_error():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["parallel.zero=4"])

@@ -78,7 +78,17 @@ def read_meta(run_dir: str, step: int) -> dict:
 
 
 def check_compatible(meta: dict, where: str, params_abstract: Any, opt_abstract: Any) -> None:
-    """One sentence naming the first parameter whose saved shape differs from the config's."""
+    """One sentence naming the first parameter whose saved shape differs from the config's (or
+    the optimizer state's structure)."""
+    check_compatible_params(meta, where, params_abstract)
+    if meta["opt_structure"] != str(jax.tree.structure(opt_abstract)):
+        raise CheckpointError(
+            f"checkpoint {where!r} holds optimizer state of another structure than this config's optimizer "
+            "(train.grad_clip switched between 0 and positive?); resume with the optimizer settings it was "
+            "saved with or use a new train.run_dir.")
+
+
+def check_compatible_params(meta: dict, where: str, params_abstract: Any) -> None:
     want = param_shapes(params_abstract)
     have = meta["param_shapes"]
     for name, shape in want.items():
@@ -96,26 +106,23 @@ def check_compatible(meta: dict, where: str, params_abstract: Any, opt_abstract:
     if extra:
         raise CheckpointError(f"checkpoint {where!r} holds parameter `{extra[0]}` that the config's model does not "
                               "have; resume with the model section it was saved with or use a new train.run_dir.")
-    if meta["opt_structure"] != str(jax.tree.structure(opt_abstract)):
-        raise CheckpointError(
-            f"checkpoint {where!r} holds optimizer state of another structure than this config's optimizer "
-            "(train.grad_clip switched between 0 and positive?); resume with the optimizer settings it was "
-            "saved with or use a new train.run_dir.")
 
 
 class Checkpoints:
     """Saving and restoring the train state of one run (one `Program`)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, run_dir: str | None = None):
+        """Checkpoints of `cfg`'s run in cfg.train.run_dir (or `run_dir`, e.g. a temporary one)."""
         self.cfg = cfg
-        self.dir = directory(cfg.train.run_dir)
+        self.run_dir = cfg.train.run_dir if run_dir is None else run_dir
+        self.dir = directory(self.run_dir)
         self._manager = None
         self.last_saved: int | None = None
 
     # ---------------------------------------------------------------- checks before anything is written
 
     def check_resume_rules(self) -> None:
-        steps = saved_steps(self.cfg.train.run_dir)
+        steps = saved_steps(self.run_dir)
         if steps and self.cfg.train.resume == "never":
             raise CheckpointError(
                 f"train.run_dir = {self.cfg.train.run_dir!r} already holds checkpoints (steps {steps}) and "
@@ -126,12 +133,12 @@ class Checkpoints:
         """The newest checkpoint step to resume from (its meta checked against `program`), or None."""
         if self.cfg.train.resume == "never":
             return None
-        steps = saved_steps(self.cfg.train.run_dir)
+        steps = saved_steps(self.run_dir)
         if not steps:
             return None
         step = steps[-1]
         abstract = program.abstract_state()
-        check_compatible(read_meta(self.cfg.train.run_dir, step), os.path.join(self.dir, str(step)),
+        check_compatible(read_meta(self.run_dir, step), os.path.join(self.dir, str(step)),
                          abstract.params, abstract.opt_state)
         return step
 
@@ -183,10 +190,10 @@ class Checkpoints:
         from jaxpar.train.step import TrainState
 
         abstract = _as_dict(program.abstract_state())
-        for step in reversed([s for s in saved_steps(self.cfg.train.run_dir) if s <= first]):
+        for step in reversed([s for s in saved_steps(self.run_dir) if s <= first]):
             path = os.path.join(self.dir, str(step))
             try:
-                check_compatible(read_meta(self.cfg.train.run_dir, step), path, abstract["params"],
+                check_compatible(read_meta(self.run_dir, step), path, abstract["params"],
                                  abstract["opt_state"])
                 restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
                 state = restored.state
@@ -217,13 +224,9 @@ class Checkpoints:
             multihost_utils.sync_global_devices("jaxpar: corrupt checkpoint moved aside")
 
 
-def restore_params(run_dir: str, step: int | None = None, *, mesh=None):
-    """(config, params) of a run's checkpoint (default: the newest), the parameters placed on `mesh`
-    (default: one device) in the layout jaxpar's rules give them there. For generation and export."""
-    import orbax.checkpoint as ocp
-
+def run_config(run_dir: str, step: int | None = None) -> tuple[Config, int]:
+    """The config a run's checkpoint (default: the newest) was saved with, and its step."""
     from jaxpar.config import from_dict
-    from jaxpar.train.step import build
 
     steps = saved_steps(run_dir)
     if not steps:
@@ -232,21 +235,55 @@ def restore_params(run_dir: str, step: int | None = None, *, mesh=None):
     step = steps[-1] if step is None else step
     if step not in steps:
         raise CheckpointError(f"run_dir {run_dir!r} has no checkpoint of step {step} (it has {steps}); pick one of those.")
-    meta = read_meta(run_dir, step)
-    cfg = from_dict(meta["config"])
-    if mesh is None:
-        cfg = cfg.replace(mesh={"data": 1, "stage": 1, "model": 1},
-                          parallel={"zero": 0, "microbatches": 1, "virtual_stages": 1, "stage_layers": None,
-                                    "sequence_parallel": False}, runtime={"cpu_devices": None})
-        from jaxpar.mesh import make_mesh
+    return from_dict(read_meta(run_dir, step)["config"]), step
 
-        mesh = make_mesh(cfg, jax.devices()[:1])
-    program = build(cfg, mesh)
-    abstract = {"params": program.abstract_state().params}  # the optimizer state is never read
+
+def restore_params(run_dir: str, shardings: Any = None, step: int | None = None) -> tuple[Config, Any]:
+    """(config, params) of a run's checkpoint (default: the newest), without the optimizer state.
+
+    `shardings` is a pytree of shardings like the parameters, or a function of the config that
+    returns one (default: everything on the first device). For generation and export."""
+    import orbax.checkpoint as ocp
+
+    from jaxpar import model
+
+    cfg, step = run_config(run_dir, step)
+    if callable(shardings):
+        shardings = shardings(cfg)
+    if shardings is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, model.param_shapes(cfg.model))
+    check_compatible_params(read_meta(run_dir, step), os.path.join(directory(run_dir), str(step)),
+                            model.param_shapes(cfg.model))
+    abstract = {"params": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                       model.param_shapes(cfg.model), shardings)}
     manager = ocp.CheckpointManager(directory(run_dir), options=ocp.CheckpointManagerOptions(read_only=True))
-    try:
+    try:  # only the parameters are read (partial restore)
         restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True)))
     finally:
         manager.close()
     return cfg, restored.state["params"]
+
+
+def save_initial(cfg: Config, params: Any, run_dir: str | None = None) -> str:
+    """A step-0 checkpoint of `params` with a fresh optimizer state, written synchronously into
+    `run_dir` (default cfg.train.run_dir): a run directory that `python -m jaxpar.train` continues
+    from (fine-tuning), and that generation and export read. `params` may live on any devices."""
+    import jax.numpy as jnp
+
+    from jaxpar.mesh import make_mesh
+    from jaxpar.train.step import TrainState, build
+
+    one = cfg.replace(mesh={"data": 1, "stage": 1, "model": 1},
+                      parallel={"zero": 0, "microbatches": 1, "virtual_stages": 1, "stage_layers": None,
+                                "sequence_parallel": False})
+    program = build(one, make_mesh(one, jax.devices()[:1]))
+    params = jax.device_put(params, program.state_shardings.params)
+    opt_state = jax.jit(program.optimizer.init, out_shardings=program.state_shardings.opt_state)(params)
+    zero = jax.device_put(jnp.zeros((), jnp.int32), program.state_shardings.step)
+    ckpt = Checkpoints(cfg.replace(train={"async_checkpoint": False}), run_dir)
+    try:
+        return ckpt.save(TrainState(zero, params, opt_state, zero), program.mesh)
+    finally:
+        ckpt.close()

@@ -154,7 +154,7 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
     if cfg.model.init_from is not None and resume_step is None:
         from jaxpar import hf
 
-        hf.check_folder(cfg.model.init_from, cfg.model)
+        hf.check_matches(cfg.model, cfg.model.init_from)  # before anything is written
 
     writer = jax.process_index() == 0
     metrics_path = os.path.join(tr.run_dir, "metrics.jsonl")
