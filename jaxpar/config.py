@@ -519,9 +519,6 @@ def check_stage_axis(cfg: Config, p: int) -> None:
              f"model.n_layers = {m.n_layers} cannot be split evenly into mesh.stage x parallel.virtual_stages "
              f"= {p} x {par.virtual_stages} = {chunks} pipeline chunks; choose n_layers as a multiple of {chunks}, "
              f"or give parallel.stage_layers.")
-    _require(par.zero <= 1,
-             f"parallel.zero = {par.zero} is not supported with pipelining yet (mesh.stage = {p}); use "
-             "parallel.zero = 0 or 1 (optimizer state sharded over data).")
     from jaxpar.parallel.schedules import ScheduleError, build  # pure Python: builds and checks the table
 
     try:

@@ -107,6 +107,13 @@ def varying_axes(x: jax.Array) -> tuple[str, ...]:
     return tuple(sorted(getattr(aval, "vma", ())))  # the jax 0.7 - 0.9 spelling
 
 
+def vary(x: jax.Array, axes: str | Sequence[str]) -> jax.Array:
+    """x cast to varying over the manual `axes` it does not vary over yet (a cast of an axis it
+    already varies over is an error in jax)."""
+    missing = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def zeros_like_varying(x: jax.Array) -> jax.Array:
     """Zeros of x's shape, dtype and manual-axis variance (branches of a `lax.cond` must agree)."""
     axes = varying_axes(x)

@@ -67,10 +67,7 @@ def test_pipeline_matches_single_device_full_matrix(arch, stage, schedule, m):
     check_parity(tiny_pp(arch, stage, schedule, m), grads=False)
 
 
-@pytest.mark.parametrize("data, stage, model_, arch, zero, schedule", [
-    (2, 2, 2, "llama", 0, "1f1b"), (2, 4, 1, "gpt2", 1, "1f1b"), (2, 2, 2, "gpt2", 1, "interleaved_1f1b")])
-def test_pipeline_with_data_and_tensor_parallelism(data, stage, model_, arch, zero, schedule):
-    check_parity(tiny_pp(arch, stage, schedule, 4, data=data, model_=model_, zero=zero))
+# Pipelining composed with data parallelism, ZeRO and tensor parallelism: tests/test_composition.py.
 
 
 @pytest.mark.parametrize("counts, data", [((3, 5), 2), ((1, 3, 3, 1), 1)])
@@ -154,7 +151,6 @@ def test_bubbles_never_leak_into_gradients():
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.n_layers=6"], "model.n_layers = 6 cannot be split evenly into mesh.stage x parallel.virtual_stages = 4 x 1"),
-    (["parallel.zero=2"], "parallel.zero = 2 is not supported with pipelining yet"),
     (["parallel.microbatches=3", "train.global_batch=8"], "train.global_batch = 8 is not divisible by mesh.data x "
                                                           "parallel.microbatches = 2 x 3 = 6"),
     (["parallel.stage_layers=[2, 2, 2]"], "parallel.stage_layers = [2, 2, 2] must give one layer count per stage"),

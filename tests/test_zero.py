@@ -57,8 +57,8 @@ def test_gradients_of_accumulated_microbatches_equal_the_whole_batch():
 
 
 def medium(zero, microbatches=1, arch="llama"):
-    # gpt2 with zero_min_elements = 0: its biases are sharded too, some on a dim that `model`
-    # also splits (`mlp`), which exercises the fallback and the ("data", "model") dims.
+    # gpt2 with zero_min_elements = 0: its biases are sharded too, through the fallback (they
+    # have no `embed` dim; b_up is sharded on `mlp`).
     return from_dict({
         "model": {"arch": arch, "n_layers": 2, "d_model": 256, "n_heads": 4, "d_ff": 512, "vocab_size": 256,
                   "seq_len": 16},

@@ -13,8 +13,13 @@ Where each gradient is reduced (DESIGN.md decision 5):
 - ZeRO-3: parameters enter as data shards and are all-gathered where they are used (per layer,
   inside the layer scan, and again in the backward pass); the transpose of the all-gather is the
   reduce-scatter of the gradient, so gradients come out sharded. With microbatches this happens
-  once per microbatch, as in FSDP and DeepSpeed: accumulating unreduced full gradients instead
-  would cost 4 bytes per parameter on every device, more than ZeRO-3's whole 16Ψ/d state for d > 4.
+  once per microbatch (`parallel.zero3_gather = microbatch`, the default), as in FSDP and
+  DeepSpeed: accumulating unreduced full gradients instead would cost 4 bytes per parameter on
+  every device, more than ZeRO-3's whole 16Ψ/d state for d > 4.
+  With `zero3_gather = step` and microbatches, every shard is all-gathered once before the
+  microbatch loop and the gathered parameters are kept for the step; gradients then accumulate
+  unreduced and are reduce-scattered once after the loop, as under ZeRO-2: one gather and one
+  reduce-scatter per step, for the memory of the full parameters and a full float32 accumulator.
 """
 
 from __future__ import annotations
@@ -27,14 +32,14 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config
 from jaxpar.parallel.zero import Layout
-from jaxpar.sharding import Rules, TensorParallel, activation_rules, compute_rules, varying_axes
+from jaxpar.sharding import Rules, TensorParallel, activation_rules, compute_rules, vary, varying_axes
 
 DATA, MODEL = "data", "model"
 
 
 def _varying(x: jax.Array, names: tuple[str, ...] = ()) -> jax.Array:
     del names
-    return jax.lax.pcast(x, DATA, to="varying")
+    return vary(x, DATA)
 
 
 def _gather_or_vary(layout: Layout) -> Callable:
@@ -72,7 +77,8 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     dp = mesh.shape[DATA] > 1
     manual, rules, tp = manual_region(cfg, mesh)
     reduce_at_use = zero in (0, 1) and m == 1
-    param_fn = _gather_or_vary(layout) if zero == 3 else _varying if reduce_at_use else None
+    gather_per_step = zero == 3 and m > 1 and cfg.parallel.zero3_gather == "step"
+    param_fn = _gather_or_vary(layout) if zero == 3 and not gather_per_step else _varying if reduce_at_use else None
     param_fn = param_fn if dp else None
 
     def grads_of(params, rows):
@@ -98,6 +104,8 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
 
     def local(params, batch):
         after = dp and param_fn is None  # reduce after the loop: differentiate data-varying copies
+        if after and gather_per_step:  # ZeRO-3, once per step: the gathered copies are data-varying
+            params = jax.tree.map(_gather, params, layout.zero_dims)
         if after:
             params = jax.tree.map(_varying, params)
         loss, g = accumulate(params, batch)
@@ -112,6 +120,11 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
                          out_specs=(P(), layout.manual_specs("grads", manual)), axis_names=manual)
 
 
+def _gather(x: jax.Array, dim: int | None) -> jax.Array:
+    """A ZeRO-3 shard all-gathered over `data` along its sharded dim (a replicated leaf as is)."""
+    return x if dim is None else jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+
+
 def _reduce(g: jax.Array, dim: int | None) -> jax.Array:
     """One reduction of a gradient over `data`: reduce-scatter along its ZeRO dim, else all-reduce."""
     if dim is None:
@@ -121,10 +134,17 @@ def _reduce(g: jax.Array, dim: int | None) -> jax.Array:
 
 def describe_reduction(cfg: Config) -> str:
     """Where the data-axis gradient reduction happens for this config, in words (for the CLI)."""
-    zero, m = cfg.parallel.zero, cfg.parallel.microbatches
+    zero, m, gather = cfg.parallel.zero, cfg.parallel.microbatches, cfg.parallel.zero3_gather
     if cfg.mesh.stage != 1:
-        return (f"pipeline: accumulated in float32 over {m} microbatches, all-reduced over data once "
-                "after the tick loop")
+        if zero == 3 and gather == "microbatch":
+            return (f"pipeline, ZeRO-3: parameters all-gathered per layer in every forward and backward of "
+                    f"{m} microbatches; gradients reduce-scattered there")
+        prefix = "ZeRO-3: parameters all-gathered once before the tick loop; " if zero == 3 else ""
+        return (f"pipeline: {prefix}accumulated in float32 over {m} microbatches, "
+                f"{'reduce-scattered' if zero >= 2 else 'all-reduced'} over data once after the tick loop")
+    if zero == 3 and m > 1 and gather == "step":
+        return (f"ZeRO-3: parameters all-gathered once per step; gradients accumulated over {m} microbatches "
+                "and reduce-scattered once after them")
     if zero == 3:
         return "ZeRO-3: parameters all-gathered per layer where used; gradients reduce-scattered there" + (
             f", once per microbatch ({m})" if m > 1 else "")

@@ -13,8 +13,23 @@ action's tick. Buffers and stash have the sizes the table declares, so a 1F1B ta
 O(p) microbatches of activations whatever m is.
 
 Gradients stay unreduced over `data` inside the tick loop and are reduced once after it
-(DESIGN.md decision 5); the parameters shared by the end stages (embeddings, final norm, head)
-are summed over `stage` after the loop too.
+(DESIGN.md decision 5): all-reduced (ZeRO-0/1) or reduce-scattered (ZeRO-2); the parameters
+shared by the end stages (embeddings, final norm, head) are summed over `stage` after the loop too.
+
+ZeRO-3 (parameters stored as `data` shards) gathers them where `parallel.zero3_gather` says:
+
+- `step`: every sharded leaf is all-gathered once, before the tick loop, and the gathered stage
+  parameters are kept for the whole step (their memory, 4 bytes per parameter of this stage,
+  plus the float32 gradient accumulator of the same size); gradients accumulate unreduced and
+  are reduce-scattered once after the loop, as under ZeRO-2. Traffic: one gather and one
+  reduce-scatter of every leaf per step.
+- `microbatch`: each layer's shards are all-gathered where the layer runs, in every F and in
+  the recomputation and the backward pass of every B (the remat policy never saves gathered
+  parameters, so the backward gathers them again), and the transpose of each gather
+  reduce-scatters that microbatch's gradient at once, so the accumulator holds only shards.
+  Memory: one layer's gathered parameters at a time; traffic: three gathers and one
+  reduce-scatter of every leaf per microbatch. The embedding and head are gathered only by the
+  stages (and in the actions) that use them.
 """
 
 from __future__ import annotations
@@ -31,7 +46,7 @@ from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.parallel.zero import Layout
 from jaxpar.parallel.gradients import manual_region
-from jaxpar.sharding import activation_rules, zeros_like_varying
+from jaxpar.sharding import activation_rules, vary, zeros_like_varying
 
 DATA, STAGE, MODEL = "data", "stage", "model"
 
@@ -89,32 +104,48 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     manual, rules, tp = manual_region(cfg, mesh, STAGE)
     remat = cfg.parallel.remat
     data_axes = (DATA,) if dp else ()
+    zero = layout.zero if dp else 0  # on one data shard nothing is sharded
+    gather = cfg.parallel.zero3_gather if zero == 3 else None
+    names = model.param_names(cfg.model)
     # Interleaved chunks travel round the ring (the last stage's chunk k feeds stage 0's chunk k+1).
     fwd_pairs = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
     bwd_pairs = [((i + 1) % p, i) for i in range(p if v > 1 else p - 1)]
 
     def chunk_forward(blocks, shared, x_in, tokens, first):
-        mdl = model.bind(chunk_cfg, {**shared, "blocks": blocks})
         # Only the first chunk embeds (a cond, not a select: under tensor parallelism the lookup
-        # ends in a collective that the other stages must not pay for).
-        x = jax.lax.cond(first, lambda: mdl.embed_tokens(tokens), lambda: x_in)
+        # ends in a collective, under ZeRO-3 the embedding's gather, that the other stages must
+        # not pay for). The shared parameters are bound inside the branch for that reason.
+        x = jax.lax.cond(first, lambda: model.bind(chunk_cfg, shared).embed_tokens(tokens), lambda: x_in)
         n_active = jnp.asarray(counts)[jax.lax.axis_index(STAGE)] if uneven else None
-        return mdl.backbone(x, remat=remat, n_active=n_active), mdl
+        return model.bind(chunk_cfg, {"blocks": blocks}).backbone(x, remat=remat, n_active=n_active)
 
     def chunk_loss(blocks, shared, x_in, tokens, targets, first):
-        y, mdl = chunk_forward(blocks, shared, x_in, tokens, first)
-        return loss_sum(mdl.head(y), targets) / n_tokens
+        y = chunk_forward(blocks, shared, x_in, tokens, first)
+        return loss_sum(model.bind(chunk_cfg, shared).head(y), targets) / n_tokens
+
+    def reduce_data(g, dim):
+        """The data-axis reduction after the loop of one gradient whose ZeRO dim is `dim`."""
+        if not dp:
+            return g
+        if dim is None or zero < 2:
+            return jax.lax.psum(g, DATA)
+        if gather == "microbatch":
+            return g  # reduce-scattered per microbatch, where its gather was transposed
+        return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
 
     def local(params, batch):
         stage = jax.lax.axis_index(STAGE)
+        param_fn = _gather_at_use(params, names, layout.zero_dims) if gather == "microbatch" else None
+        if gather == "step":  # every sharded leaf once per step, kept for the step
+            params = jax.tree.map(_gather, params, layout.zero_dims)
         # This stage's v chunks, [v, layers per chunk, ...] (the blocks arrive in pipeline order).
         blocks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), params["blocks"])
         shared = {k: w for k, w in params.items() if k != "blocks"}
         # Unreduced inside the loop: blocks vary over `data`; shared parameters over `data` and
         # `stage` too (only the end stages use them); both are reduced once after the loop.
-        if dp:
-            blocks = jax.tree.map(lambda w: jax.lax.pcast(w, DATA, to="varying"), blocks)
-        shared = jax.tree.map(lambda w: jax.lax.pcast(w, (*data_axes, STAGE), to="varying"), shared)
+        # (ZeRO-3's shards, and what was gathered from them, vary over `data` already.)
+        blocks = jax.tree.map(lambda w: vary(w, data_axes), blocks)
+        shared = jax.tree.map(lambda w: vary(w, (*data_axes, STAGE)), shared)
         micro = batch.reshape(m, batch.shape[0] // m, *batch.shape[1:])
         b, seq = micro.shape[1], micro.shape[2] - 1
         act_shape = (b, seq // t if sp else seq, cfg.model.d_model)
@@ -130,8 +161,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             return (stage == 0) & (k == 0), (stage == p - 1) & (k == v - 1)
 
         def forward(x_in, mb, k):
-            y, _ = chunk_forward(chunk_params(k), shared, x_in, micro[mb, :, :-1], ends(k)[0])
-            return y
+            return chunk_forward(chunk_params(k), shared, x_in, micro[mb, :, :-1], ends(k)[0])
 
         def backward(x_in, cot, mb, k, no_loss):
             tokens, targets = micro[mb, :, :-1], micro[mb, :, 1:]
@@ -143,7 +173,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                 return (*vjp(jnp.ones_like(loss)), loss)
 
             def inside():
-                _, vjp = jax.vjp(lambda bl, sh, x: chunk_forward(bl, sh, x, tokens, first)[0],
+                _, vjp = jax.vjp(lambda bl, sh, x: chunk_forward(bl, sh, x, tokens, first),
                                  chunk_params(k), shared, x_in)
                 return (*vjp(cot), no_loss)
 
@@ -166,7 +196,14 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                 bv > 0, lambda: backward(x_b, cot, bmb, bk, no_loss),
                 lambda: (jax.tree.map(zeros_like_varying, chunk_params(bk)), jax.tree.map(zeros_like_varying, shared),
                          zeros_like_varying(x_b), no_loss))
+            # B, then F, then the two hops, in this order on every device: the actions' collectives
+            # (tensor parallelism's over `model`, ZeRO-3's gathers over `data`) sit inside their
+            # conds, and a device waiting in one while its peer waits in a hop that needs it never
+            # returns. (This does not cure a deadlock still seen on CPU with interleaved 1F1B over
+            # 4 stages and collectives inside the actions; see tests/test_composition.py.)
+            x_f, dx = jax.lax.optimization_barrier((x_f, dx))
             y = jax.lax.cond(fv > 0, lambda: forward(x_f, fmb, fk), lambda: zeros_like_varying(x_f))
+            y, dx = jax.lax.optimization_barrier((y, dx))
             s_slot = fk * table.stash + fmb % table.stash
             stash = stash.at[s_slot].set(jnp.where(fv > 0, x_f, stash[s_slot]))
             g_blocks = jax.tree.map(lambda a, g: a.at[bk].add(g.astype(jnp.float32)), g_blocks, dbl)
@@ -191,13 +228,13 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                  zeros((v * table.stash, *act_shape)), f32_like(blocks), f32_like(shared),
                  jax.lax.pcast(jnp.zeros((), jnp.float32), (*data_axes, STAGE), to="varying"))
         rows = {k: jnp.asarray(a) for k, a in dataclasses.asdict(table).items() if isinstance(a, np.ndarray)}
-        with activation_rules(mesh, rules, tp=tp):
+        with activation_rules(mesh, rules, param_fn=param_fn, tp=tp):
             (_, _, _, g_blocks, g_shared, loss), _ = jax.lax.scan(tick, carry, rows)
         # The one reduction per step, after the tick loop.
-        g_blocks = jax.tree.map(lambda g, w: (jax.lax.psum(g, DATA) if dp else g).reshape(w.shape).astype(w.dtype),
-                                g_blocks, params["blocks"])
-        g_shared = {k: jax.tree.map(lambda g, w: jax.lax.psum(g, (*data_axes, STAGE)).astype(w.dtype), g_shared[k],
-                                    params[k]) for k in g_shared}
+        g_blocks = jax.tree.map(lambda g, w, dim: reduce_data(g.reshape(w.shape), dim).astype(w.dtype),
+                                g_blocks, params["blocks"], layout.zero_dims["blocks"])
+        g_shared = {k: jax.tree.map(lambda g, w, dim: jax.lax.psum(reduce_data(g, dim), STAGE).astype(w.dtype),
+                                    g_shared[k], params[k], layout.zero_dims[k]) for k in g_shared}
         return jax.lax.psum(loss, (*data_axes, STAGE)), {**g_shared, "blocks": g_blocks}
 
     batch_spec = P(DATA) if dp else P()
@@ -225,6 +262,46 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         return loss, {**grads, "blocks": jax.tree.map(lambda g: _reorder(g, p, v), grads["blocks"])}
 
     return interleaved
+
+
+def _gather(w: jax.Array, dim: int | None) -> jax.Array:
+    """A ZeRO-3 shard all-gathered over `data` along its sharded dim (a replicated leaf as is)."""
+    return w if dim is None else jax.lax.all_gather(w, DATA, axis=dim, tiled=True)
+
+
+def _gather_at_use(params, names, zero_dims) -> Callable:
+    """The `use_params` hook of ZeRO-3 per-use gathering inside the pipeline's shard_map: a
+    parameter handed to a layer (per layer: names without `layers`) or to the embedding / head is
+    all-gathered if it is a data shard. Shards are recognised by (logical names, local shape),
+    the only things a hook sees; a replicated leaf with the same key would be ambiguous and is
+    refused (no model of jaxpar has one)."""
+    sharded, replicated = {}, set()
+
+    def index(tree, name_tree, dims, per_layer):
+        for w, n, dim in zip(jax.tree.leaves(tree), jax.tree.leaves(name_tree, is_leaf=_is_names),
+                             jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, int)), strict=True):
+            key = (tuple(n[per_layer:]), tuple(w.shape[per_layer:]))
+            if dim is None:
+                replicated.add(key)
+            else:
+                sharded[key] = dim - per_layer
+
+    index(params["blocks"], names["blocks"], zero_dims["blocks"], 1)
+    for k in params:
+        if k != "blocks":
+            index(params[k], names[k], zero_dims[k], 0)
+    if ambiguous := replicated & set(sharded):
+        raise ValueError(f"ZeRO-3 in the pipeline: sharded and replicated parameters share (names, shape) "
+                         f"{sorted(ambiguous)}")
+
+    def use(x: jax.Array, n: tuple[str, ...]) -> jax.Array:
+        dim = sharded.get((tuple(n), tuple(x.shape)))
+        return x if dim is None else jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+    return use
+
+
+def _is_names(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
 def _padded_layout(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:

@@ -67,7 +67,7 @@ class Layout:
         """Specs of `which` ("params" or "grads") restricted to the manual `axes` of a shard_map."""
         tree = self.params if which == "params" else self.grads
 
-        def keep(ax):  # ("data", "model") -> "data" when only data is manual (data is the major split)
+        def keep(ax):  # ("model", "data") -> "data" when only data is manual
             kept = tuple(a for a in ((ax,) if isinstance(ax, str) else ax or ()) if a in axes)
             return None if not kept else kept[0] if len(kept) == 1 else kept
         return jax.tree.map(lambda s: P(*map(keep, s)), tree, is_leaf=lambda x: isinstance(x, P))
@@ -80,8 +80,12 @@ def _with_data(spec: P, dim: int | None) -> P:
     current = axes[dim]
     if current is None:
         axes[dim] = "data"
-    else:  # the dim is also split by another axis (e.g. model): data outermost
-        axes[dim] = ("data",) + ((current,) if isinstance(current, str) else tuple(current))
+    else:
+        # The dim is also split by another axis (e.g. `model`): data innermost, so that each
+        # model rank's slice is gathered (and its gradient reduce-scattered) over `data` as a
+        # contiguous block inside a shard_map manual over both axes. With data outermost a tiled
+        # all_gather of the model slice would interleave the wrong blocks.
+        axes[dim] = ((current,) if isinstance(current, str) else tuple(current)) + ("data",)
     return P(*axes)
 
 
@@ -96,7 +100,7 @@ def make_layout(cfg: Config, mesh: Mesh, names: Any, shapes: Any) -> Layout:
 
     dims = jax.tree.map(lambda n, s, b: zero_dim(n, s.shape, split(b), data, min_elements), names, shapes, base,
                         is_leaf=_is_names)
-    if zero == 3:
+    if zero == 3 and data > 1:  # on one data shard there is nothing to shard: ZeRO-3 is plain replication
         _refuse_replicated(names, shapes, dims, data, min_elements)
 
     def stage(min_zero: int) -> Any:

@@ -1,0 +1,267 @@
+"""Composition: every factorization of 8 devices into (data, stage, model) x every schedule x every
+ZeRO stage computes the single-device function; ZeRO-2/3 under pipelining reduce and gather where
+the docs say, and `parallel.zero3_gather` trades memory for traffic as stated."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import max_abs_diff, run_reference, run_steps
+from jaxpar import model
+from jaxpar.config import from_dict
+from jaxpar.inspect import analyze
+from jaxpar.parallel.schedules import build as build_schedule
+from jaxpar.train.step import build, lower_step
+
+# float32 rounding only, as in test_pipeline.py / test_parity.py (reasons there): a loss is a mean
+# of ~100 log-probabilities (observed <= 1e-6 relative); gradients of size 1e-3..1 are summed in
+# another order over data shards, stages and model ranks (observed <= 1e-7); after 3 AdamW steps at
+# lr 1e-2 a rounding difference in a near-zero gradient element moves its update by up to ~lr x its
+# relative difference (observed <= 5e-6), while a missing or doubled reduction moves it by O(lr).
+LOSS_RTOL = 1e-5
+GRAD_ATOL = 1e-6
+PARAM_ATOL = 5e-5
+
+FACTORIZATIONS = [(d, p, 8 // (d * p)) for d in (1, 2, 4, 8) for p in (1, 2, 4, 8) if 8 % (d * p) == 0]
+SCHEDULES = ("gpipe", "1f1b", "1f1b_one_action", "interleaved_1f1b")
+# ZeRO stages; stage 3 once per `parallel.zero3_gather` placement.
+ZEROS = ((0, None), (1, None), (2, None), (3, "microbatch"), (3, "step"))
+
+
+def matrix():
+    """(d, p, t, schedule, zero, zero3_gather, arch): schedules only where p > 1 (None: no pipeline,
+    two microbatches of gradient accumulation); the architecture alternates so both meet every axis."""
+    cases = []
+    for d, p, t in FACTORIZATIONS:
+        for schedule in (SCHEDULES if p > 1 else (None,)):
+            for zero, gather in ZEROS:
+                arch = ("llama", "gpt2")[len(cases) % 2]
+                cases.append((d, p, t, schedule, zero, gather, arch))
+    return cases
+
+
+def deadlocks(case):
+    """Interleaved 1F1B over 4 stages with collectives inside the tick's actions (tensor parallelism,
+    or ZeRO-3 gathering per microbatch) deadlocks XLA's CPU runtime on jax 0.10.2: a device waits
+    in an action's collective while its peer waits in the stage hop (seen for (1, 4, 2) with ZeRO-0,
+    before this module's changes too, and (2, 4, 1) with ZeRO-3 per microbatch). An open bug of the
+    executor: these cases are skipped, visibly, until it is fixed."""
+    d, p, t, schedule, zero, gather, _ = case
+    return schedule == "interleaved_1f1b" and p == 4 and (t > 1 or (d > 1 and gather == "microbatch"))
+
+
+# Covers every size of every axis (1, 2, 4, 8 of data, stage and model), every schedule, every ZeRO
+# stage and both ZeRO-3 placements, both architectures, pipelining with each of data and model
+# parallelism and with both, and gpt2 (whose biases are sharded on a dim that `model` also splits)
+# with tensor parallelism under ZeRO-2/3. The rest of the matrix runs under `-m slow`.
+DEFAULT = [
+    (8, 1, 1, None, 3, "step", "gpt2"),
+    (2, 1, 4, None, 2, None, "gpt2"),
+    (4, 1, 2, None, 3, "microbatch", "gpt2"),
+    (1, 1, 8, None, 0, None, "llama"),
+    (4, 2, 1, "1f1b", 3, "microbatch", "gpt2"),
+    (2, 2, 2, "interleaved_1f1b", 3, "step", "gpt2"),
+    (2, 4, 1, "gpipe", 2, None, "llama"),
+    (1, 4, 2, "1f1b_one_action", 1, None, "llama"),
+    (1, 8, 1, "1f1b", 0, None, "llama"),
+]
+FULL = matrix()
+assert all(c in FULL for c in DEFAULT)
+
+
+def composed(d, p, t, schedule, zero, gather, arch):
+    """The tiny model on mesh (d, p, t): 8 heads (t up to 8; llama's 2 kv heads are replicated for
+    t > 2), 8 layers (16 for interleaving over 8 stages), m = p microbatches (2 without a
+    pipeline), 16 sequences per step; zero_min_elements = 0 so that ZeRO shards every leaf it can."""
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    return from_dict({
+        "model": {"arch": arch, "n_layers": max(8, p * v), "d_model": 32, "n_heads": 8,
+                  "n_kv_heads": 2 if arch == "llama" else None, "d_ff": 64, "vocab_size": 64, "seq_len": 16},
+        "mesh": {"data": d, "stage": p, "model": t},
+        "parallel": {"schedule": schedule or "1f1b", "microbatches": p if p > 1 else 2, "virtual_stages": v,
+                     "zero": zero, "zero3_gather": gather or "microbatch", "zero_min_elements": 0},
+        "train": {"steps": 3, "global_batch": 16, "lr": 1e-2, "warmup_steps": 1},
+    })
+
+
+_REF = {}
+
+
+def check_parity(cfg, grads=True):
+    key = (cfg.model.arch, cfg.model.n_layers, grads)
+    if key not in _REF:
+        _REF[key] = run_reference(cfg.replace(parallel={"virtual_stages": 1}), grads=grads)
+    ref, out = _REF[key], run_steps(cfg, grads=grads)
+    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=LOSS_RTOL)
+    if grads:
+        assert max_abs_diff(out["grads"], ref["grads"]) < GRAD_ATOL
+    assert max_abs_diff(out["params"], ref["params"]) < PARAM_ATOL
+
+
+def case_id(c):
+    d, p, t, schedule, zero, gather, arch = c
+    return f"{d}x{p}x{t}-{schedule or 'accum'}-zero{zero}{'-' + gather if gather else ''}-{arch}"
+
+
+@pytest.mark.parametrize("case", DEFAULT, ids=case_id)
+def test_composition_matches_single_device(case):
+    # Gradients compared directly where ZeRO-3 gathers inside the pipeline (the newest code path);
+    # elsewhere through the parameters after 3 steps, which any gradient error of a reduction or
+    # a gather moves by O(lr), and one compile fewer per case.
+    check_parity(composed(*case), grads=case[1] > 1 and case[4] == 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in FULL if c not in DEFAULT], ids=case_id)
+def test_composition_matches_single_device_full_matrix(case):
+    if deadlocks(case):
+        pytest.skip("interleaved 1F1B, 4 stages, collectives inside the actions: deadlocks on CPU (open bug)")
+    check_parity(composed(*case), grads=False)
+
+
+def test_the_matrix_covers_every_factorization_schedule_and_zero_stage():
+    assert len(FACTORIZATIONS) == 10 and all(d * p * t == 8 for d, p, t in FACTORIZATIONS)
+    assert {(c[0], c[1], c[2]) for c in FULL} == set(FACTORIZATIONS)
+    assert {(c[3], c[4], c[5]) for c in FULL if c[1] > 1} == {(s, z, g) for s in SCHEDULES for z, g in ZEROS}
+    for i in range(7):  # and the default third reaches every value of every dimension
+        assert {c[i] for c in DEFAULT} == {c[i] for c in FULL}, i
+
+
+# ---------------------------------------------------------------------------------------------
+# Where ZeRO-2/3 reduce and gather under pipelining and accumulation, read from the compiled step.
+# A model whose sharded leaves dominate (d_model 256; norm scales stay replicated by the default
+# zero_min_elements): d = 4, p = 2 (two layers per stage), t = 1, m = 4 microbatches.
+
+D, M = 4, 4
+
+
+def medium(zero, gather="microbatch", stage=2):
+    return from_dict({
+        "model": {"arch": "llama", "n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 512, "vocab_size": 256,
+                  "seq_len": 16},
+        "mesh": {"data": D, "stage": stage, "model": 8 // (D * stage)},
+        "parallel": {"zero": zero, "microbatches": M, "zero3_gather": gather, "schedule": "1f1b"},
+        "train": {"global_batch": 2 * D * M},
+    })
+
+
+_COMPILED = {}
+
+
+def report_of(cfg):
+    key = (cfg.parallel.zero, cfg.parallel.zero3_gather, cfg.mesh.stage)
+    if key not in _COMPILED:
+        compiled, mesh = lower_step(cfg)
+        _COMPILED[key] = analyze(compiled, mesh)
+    return _COMPILED[key]
+
+
+def gathered_leaves(cfg):
+    """Per-device bytes, once gathered over `data`, of each leaf that ZeRO shards (blocks: this
+    stage's layers; the embedding and head: whole), split into (blocks, shared)."""
+    program = build(cfg)
+    mesh, layout = program.mesh, program.layout
+    shapes = model.param_shapes(cfg.model)
+
+    def gathered(spec, s, dim):
+        if dim is None:
+            return None
+        split = math.prod(mesh.shape[a] for ax in spec if ax for a in ((ax,) if isinstance(ax, str) else ax)
+                          if a != "data")
+        return s.size * s.dtype.itemsize // split
+
+    per_leaf = jax.tree.map(gathered, layout.params, shapes, layout.zero_dims, is_leaf=lambda x: isinstance(x, P))
+    blocks = [b for b in jax.tree.leaves(per_leaf["blocks"]) if b is not None]
+    shared = [b for k, v in per_leaf.items() if k != "blocks" for b in jax.tree.leaves(v) if b is not None]
+    return blocks, shared
+
+
+def test_zero2_pipeline_reduce_scatters_once_after_the_tick_loop():
+    cfg = medium(2)
+    r = report_of(cfg)
+    assert not r.select(spans="data", in_loop=True), r.table()
+    blocks, shared = gathered_leaves(cfg)
+    scatters = r.select(kind="reduce-scatter", spans="data")
+    assert all(c.executions == 1 for c in scatters)
+    assert sum(c.traffic for c in scatters) == sum(blocks + shared) // D  # each gradient once, 1/d kept
+    # The updated parameters are all-gathered once to their replicated storage (ZeRO-2 keeps them whole).
+    assert r.traffic(kind="all-gather", spans="data") == sum(blocks + shared)
+
+
+def test_zero3_step_gathers_every_leaf_once_per_step():
+    cfg = medium(3, "step")
+    r = report_of(cfg)
+    assert not r.select(spans="data", in_loop=True), r.table()
+    blocks, shared = gathered_leaves(cfg)
+    gathers = r.select(kind="all-gather", spans="data")
+    # One all-gather per sharded leaf (7 block leaves, embedding, head), each run once per step.
+    assert sorted(c.bytes for c in gathers) == sorted(blocks + shared)
+    assert all(c.executions == 1 for c in gathers)
+    scatters = r.select(kind="reduce-scatter", spans="data")
+    assert sum(c.traffic for c in scatters) == sum(blocks + shared) // D and all(c.executions == 1 for c in scatters)
+
+
+def test_zero3_microbatch_gathers_every_layer_in_every_forward_and_backward():
+    cfg = medium(3, "microbatch")
+    r = report_of(cfg)
+    ticks = build_schedule("1f1b", 2, M).num_ticks()
+    per_stage = cfg.model.n_layers // cfg.mesh.stage
+    blocks, shared = gathered_leaves(cfg)
+    gathers = r.select(kind="all-gather", spans="data")
+    assert gathers and all(c.in_loop for c in gathers), r.table()
+    # Block leaves inside the layer scan of every tick, the embedding and head once per tick.
+    assert {c.executions for c in gathers} == {ticks * per_stage, ticks}
+    layer = [c for c in gathers if c.executions == ticks * per_stage]
+    # Each layer's leaves gathered in F (forward), in B's recomputation (jvp) and again in B's
+    # backward (rematerialized, never held from the recomputation): F's gathers are one layer's
+    # leaves; B's two cond branches (last stage with the loss, or not) each gather them twice.
+    forward = [c for c in layer if "jvp(" not in c.op_name and "rematted" not in c.op_name]
+    regathered = [c for c in layer if "rematted" in c.op_name]
+    assert sorted(c.bytes for c in forward) == sorted(b // per_stage for b in blocks)
+    assert sorted(c.bytes for c in regathered) == sorted(2 * [b // per_stage for b in blocks])
+    assert len(layer) == 5 * len(blocks)
+    # Gradients reduce-scattered where the gathers are transposed, once per layer per B.
+    scatters = r.select(kind="reduce-scatter", spans="data")
+    assert all(c.in_loop for c in scatters)
+
+
+def test_zero3_gather_placement_trades_memory_for_traffic():
+    """step holds this stage's gathered parameters for the step (temp grows by exactly their bytes
+    over ZeRO-2, whose parameters are arguments) and a full float32 accumulator; microbatch holds
+    shards of both, for more data-axis traffic."""
+    step, micro, zero2 = report_of(medium(3, "step")), report_of(medium(3, "microbatch")), report_of(medium(2))
+    blocks, shared = gathered_leaves(medium(3))
+    full = sum(blocks + shared)
+    # 1%: XLA's buffer assignment may round or share a small buffer differently (measured exact
+    # to 64 bytes of 5.5 MiB).
+    assert abs((step.memory.temp_bytes - zero2.memory.temp_bytes) - full) <= 0.01 * full
+    # Gathered parameters and the float32 accumulator, (1 - 1/d) of each, at least.
+    assert step.memory.temp_bytes - micro.memory.temp_bytes >= 2 * (1 - 1 / D) * full
+    assert micro.traffic(spans="data") > 3 * step.traffic(spans="data")
+
+
+@pytest.mark.parametrize("gather", ["step", "microbatch"])
+def test_zero3_accumulation_gathers_per_step_or_per_microbatch(gather):
+    """Without a pipeline (stage 1, data 4, model 2) and m = 4 accumulated microbatches."""
+    cfg = medium(3, gather, stage=1)
+    r = report_of(cfg)
+    blocks, shared = gathered_leaves(cfg)
+    gathers = r.select(kind="all-gather", spans="data")
+    if gather == "step":  # one gather per sharded leaf before the loop, one reduce-scatter after it
+        assert sorted(c.bytes for c in gathers) == sorted(blocks + shared)
+        assert all(c.executions == 1 for c in gathers)
+        assert not r.select(spans="data", in_loop=True), r.table()
+    else:
+        # Every layer's leaves gathered in the forward and again in the backward of every
+        # microbatch, inside the layer scans (of the microbatch loop, and of the first microbatch,
+        # peeled off the loop to start the accumulator).
+        layers = [c for c in gathers if c.in_loop]
+        assert sum(c.traffic for c in layers) == 2 * M * sum(blocks), r.table()
+    # The step mode's cost: the gathered parameters and a full float32 accumulator, held for the
+    # step, instead of one layer's gathered parameters and a sharded accumulator.
+    if gather == "step":
+        micro = report_of(medium(3, "microbatch", stage=1))
+        assert r.memory.temp_bytes - micro.memory.temp_bytes >= 2 * (1 - 1 / D) * sum(blocks + shared)
