@@ -57,6 +57,9 @@ class ModelConfig:
     """RoPE base frequency (llama only)."""
     init_std: float = 0.02
     """Standard deviation of the normal initializer of weight matrices."""
+    block: str = "pre_norm"
+    """The transformer block by registered name: `pre_norm` (x + attn(norm x), x + mlp(norm x)), or
+    one registered with `jaxpar.model.register_block` (research code; see examples/custom_block.py)."""
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     """Attention kernel: auto (cuDNN's fused kernel on GPU when shapes and dtypes allow, else XLA),
     xla (the reference einsum-softmax path), cudnn (fail if cuDNN cannot run it)."""

@@ -28,6 +28,9 @@ def _config(cfg: Config | ModelConfig) -> Config:
 def check_request(cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float,
                   top_k: int | None) -> None:
     """Every rule a generation request must follow, as one GenerateError sentence."""
+    if cfg.block != "pre_norm":
+        raise GenerateError(f"model.block = {cfg.block!r}: the KV-cache decode path knows the pre_norm block only; "
+                            "sample from a pre_norm model.")
     if len(prompt_ids) == 0:
         raise GenerateError("the prompt is empty; give at least one token of prompt.")
     bad = next((int(i) for i in prompt_ids if not 0 <= int(i) < cfg.vocab_size), None)

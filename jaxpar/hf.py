@@ -208,6 +208,9 @@ class Entry(NamedTuple):
 def entries(cfg: ModelConfig, prefix: str = "") -> list[Entry]:
     """The mapping of every jaxpar parameter to its HF tensor (`prefix`: "transformer." for
     GPT-2 checkpoints saved from GPT2LMHeadModel, "" for ones saved from GPT2Model)."""
+    if cfg.block != "pre_norm":
+        raise HFError(f"model.block = {cfg.block!r} has no Hugging Face counterpart (transformers' llama and gpt2 "
+                      "are pre_norm blocks); convert only models with model.block=pre_norm.")
     D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
     if cfg.arch == "llama":
         a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."

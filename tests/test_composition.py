@@ -43,16 +43,6 @@ def matrix():
     return cases
 
 
-def deadlocks(case):
-    """Interleaved 1F1B over 4 stages with collectives inside the tick's actions (tensor parallelism,
-    or ZeRO-3 gathering per microbatch) deadlocks XLA's CPU runtime on jax 0.10.2: a device waits
-    in an action's collective while its peer waits in the stage hop (seen for (1, 4, 2) with ZeRO-0,
-    before this module's changes too, and (2, 4, 1) with ZeRO-3 per microbatch). An open bug of the
-    executor: these cases are skipped, visibly, until it is fixed."""
-    d, p, t, schedule, zero, gather, _ = case
-    return schedule == "interleaved_1f1b" and p == 4 and (t > 1 or (d > 1 and gather == "microbatch"))
-
-
 # Covers every size of every axis (1, 2, 4, 8 of data, stage and model), every schedule, every ZeRO
 # stage and both ZeRO-3 placements, both architectures, pipelining with each of data and model
 # parallelism and with both, and gpt2 (whose biases are sharded on a dim that `model` also splits)
@@ -117,8 +107,6 @@ def test_composition_matches_single_device(case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in FULL if c not in DEFAULT], ids=case_id)
 def test_composition_matches_single_device_full_matrix(case):
-    if deadlocks(case):
-        pytest.skip("interleaved 1F1B, 4 stages, collectives inside the actions: deadlocks on CPU (open bug)")
     check_parity(composed(*case), grads=False)
 
 

@@ -173,3 +173,32 @@ class Block(nnx.Module):
         # all-reduce each way, or a reduce-scatter + all-gather pair under SP.
         x_BxTxD = x_BxTxD + self.attn(enter_tp(self.attn_norm(x_BxTxD)))
         return x_BxTxD + self.mlp(enter_tp(self.mlp_norm(x_BxTxD)))
+
+
+# Blocks by name (`model.block`): research code registers its own and every strategy (pipeline
+# stages, tensor parallelism through the TP marks, ZeRO through the logical names) runs it.
+BLOCKS: dict[str, type] = {"pre_norm": Block}
+
+
+def register_block(name: str):
+    """Class decorator: make an `nnx.Module` block selectable as `model.block: <name>`.
+
+    The class is built as `cls(cfg: ModelConfig, *, rngs=nnx.Rngs)` and called on the residual
+    stream `x [B, T, D] -> [B, T, D]`. Create parameters with `param(...)` and logical dim names,
+    and wrap tensor-parallel regions in `enter_tp` / `exit_tp` as `Block` does (`Attention` and
+    `MLP` already contain theirs), so that sharding, ZeRO and the pipeline apply unchanged."""
+    def add(cls):
+        BLOCKS[name] = cls
+        return cls
+
+    return add
+
+
+def block_class(cfg: ModelConfig) -> type:
+    from jaxpar.config import ConfigError
+
+    if cfg.block not in BLOCKS:
+        raise ConfigError(f"model.block = {cfg.block!r} is not a registered block (registered: "
+                          f"{', '.join(sorted(BLOCKS))}); register it with jaxpar.model.register_block before "
+                          "building the model, or set model.block=pre_norm.")
+    return BLOCKS[cfg.block]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.layers import Block, norm, param
+from jaxpar.model.layers import Block, block_class, norm, param
 from jaxpar.sharding import constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
 
 Params = dict[str, Any]
@@ -41,10 +41,12 @@ class Transformer(nnx.Module):
         if cfg.arch == "gpt2":
             self.pos_embed = param(rngs, (cfg.seq_len, D), ("pos", "embed"), pd, std / 2)
 
+        block = block_class(cfg)
+
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs=rngs)
+        def stacked_blocks(rngs: nnx.Rngs) -> nnx.Module:
+            return block(cfg, rngs=rngs)
 
         self.blocks = stacked_blocks(rngs)
         self.final_norm = norm(cfg)
