@@ -96,7 +96,7 @@ def reference(folders, batch):
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
         loss.backward()
         grads = {n: p.grad.numpy().copy() for n, p in m.named_parameters()}
-        out[arch] = {"logits": logits.detach().numpy(), "loss": float(loss), "grads": grads}
+        out[arch] = {"logits": logits.detach().numpy(), "loss": float(loss.detach()), "grads": grads}
     return out
 
 
