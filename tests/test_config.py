@@ -425,3 +425,10 @@ def test_data_file_size_not_a_multiple_of_the_dtype(tmp_path):
 @pytest.mark.parametrize("exc", [ConfigError, DataError])
 def test_user_errors_share_one_base_class(exc):
     assert issubclass(exc, JaxparError) and issubclass(exc, ValueError)
+
+
+def test_cudnn_attention_needs_a_gpu(tiny):
+    from jaxpar.train.step import build
+
+    with pytest.raises(ConfigError, match=r"model.attention = cudnn needs an NVIDIA GPU, but the mesh's devices are cpu"):
+        build(tiny(model={"attention": "cudnn"}, mesh={"data": 8}))

@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import model
-from jaxpar.config import Config, validate
+from jaxpar.config import Config, ConfigError, validate
 from jaxpar.mesh import AXES, check_mesh, check_sizes, make_mesh
 from jaxpar.parallel.gradients import make_loss_and_grads
 from jaxpar.parallel.zero import Layout, make_layout
@@ -106,6 +106,10 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     mesh = make_mesh(cfg) if mesh is None else mesh
     check_mesh(mesh)
     check_sizes(cfg, tuple(mesh.shape[a] for a in AXES))
+    platform = mesh.devices.flat[0].platform
+    if cfg.model.attention == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention = cudnn needs an NVIDIA GPU, but the mesh's devices are {platform}; "
+                          "set model.attention=auto (cuDNN where it can run, XLA elsewhere) or xla.")
     names, shapes = model.param_names(cfg.model), model.param_shapes(cfg.model)
     layout = make_layout(cfg, mesh, names, shapes)
     optimizer = make_optimizer(cfg.train, names)
