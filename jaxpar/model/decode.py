@@ -30,13 +30,7 @@ def _attend(attn: Attention, x_BxTxD: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH
     returns the output and the cache with this chunk's keys and values written in."""
     dt = attn.dtype
     T, S = x_BxTxD.shape[1], k_BxSxKxH.shape[1]
-    q_BxTxNxH = jnp.einsum("btd,dnh->btnh", x_BxTxD, attn.wq[...].astype(dt))
-    k_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, attn.wk[...].astype(dt))
-    v_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, attn.wv[...].astype(dt))
-    if attn.arch == "gpt2":
-        q_BxTxNxH += attn.bq[...].astype(dt)
-        k_BxTxKxH += attn.bk[...].astype(dt)
-        v_BxTxKxH += attn.bv[...].astype(dt)
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = attn.project_qkv(x_BxTxD)
     if attn.arch == "llama":  # the rows of the training tables at these positions
         cos_SxH2, sin_SxH2 = rope_tables(S, attn.head_dim, attn.rope_theta)
         rope = (jax.lax.dynamic_slice_in_dim(cos_SxH2, pos, T), jax.lax.dynamic_slice_in_dim(sin_SxH2, pos, T))

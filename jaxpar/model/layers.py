@@ -100,7 +100,8 @@ class Attention(nnx.Module):
             self.bv = param(None, (K, H), ("kv_heads", "head_dim"), pd)
             self.bo = param(None, (D,), ("embed",), pd)
 
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    def project_qkv(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries [B, T, N, H], keys and values [B, T, K, H] (biases added, RoPE not yet applied)."""
         dt = self.dtype
         q_BxTxNxH = jnp.einsum("btd,dnh->btnh", x_BxTxD, self.wq[...].astype(dt))
         k_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.wk[...].astype(dt))
@@ -109,6 +110,11 @@ class Attention(nnx.Module):
             q_BxTxNxH += self.bq[...].astype(dt)
             k_BxTxKxH += self.bk[...].astype(dt)
             v_BxTxKxH += self.bv[...].astype(dt)
+        return q_BxTxNxH, k_BxTxKxH, v_BxTxKxH
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        dt = self.dtype
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = self.project_qkv(x_BxTxD)
         if self.arch == "llama":  # tables for the whole sequence (constants XLA folds)
             rope = rope_tables(x_BxTxD.shape[1], self.head_dim, self.rope_theta)
             q_BxTxNxH = apply_rope(q_BxTxNxH, *rope)
