@@ -10,16 +10,12 @@ The block uses jaxpar's `Attention` and `MLP` (which carry the tensor-parallel m
 parallelism splits its heads and MLP width, and ZeRO shards its parameters with no other change.
 """
 
-import os
+import jax
+from flax import nnx
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jaxpar.model import register_block  # noqa: E402
-from jaxpar.model.layers import MLP, Attention, norm  # noqa: E402
-from jaxpar.sharding import enter_tp  # noqa: E402
+from jaxpar.model import register_block
+from jaxpar.model.layers import MLP, Attention, norm
+from jaxpar.sharding import enter_tp
 
 
 @register_block("parallel")
@@ -54,7 +50,7 @@ if __name__ == "__main__":
 
     import jaxpar
 
-    jax.config.update("jax_platforms", "cpu")
+    jaxpar.mesh.use_cpu_devices(8)  # 8 simulated CPU devices, threads for their collectives; before JAX starts
     parallel = [r["loss"] for r in jaxpar.train(config((2, 2, 2)))]
     one = jaxpar.mesh.make_mesh(config((1, 1, 1)), jax.devices()[:1])
     single = [r["loss"] for r in jaxpar.train(config((1, 1, 1)).replace(parallel={"microbatches": 1}), mesh=one)]

@@ -9,6 +9,7 @@ the rule tables; Explicit axes would refuse those ops without a per-op `out_shar
 from __future__ import annotations
 
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -19,10 +20,33 @@ from jaxpar.config import Config, ConfigError, check_batch, check_model_axis, ch
 AXES = ("data", "stage", "model")
 
 
+# XLA's CPU client runs every device's program on one shared pool of max(cores, devices) threads,
+# and a collective holds its thread until every participant has arrived. Its executor also runs a
+# device's independent collectives side by side (a pipeline tick's stage hop beside an all-reduce of
+# the other action: `optimization_barrier` orders the HLO schedule, not the runtime), so one thread
+# per device is not enough: every thread can end up waiting while a device that they wait for has
+# its next op queued behind them. With 8 devices on 8 threads, interleaved 1F1B on (2, 2, 2) hung
+# within 300 steps, idle or loaded; with 16 or more none of the pipelined programs hung (README,
+# "Simulated CPU devices"). Eight threads per device leave room for every collective a step can
+# have in flight; idle threads cost nothing.
+CPU_THREADS_PER_DEVICE = 8
+
+
+def cpu_threads() -> int:
+    """Threads of the CPU client's pools as XLA sizes them (before the device-count floor)."""
+    for name in ("PJRT_NPROC", "NPROC"):  # what XLA reads, in its order
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return os.cpu_count() or 1
+
+
 def use_cpu_devices(n: int | None) -> None:
-    """Run on `n` simulated CPU devices (even on a GPU host). Must run before JAX starts a backend."""
+    """Run on `n` simulated CPU devices (even on a GPU host), with a thread pool large enough for
+    their collectives (`CPU_THREADS_PER_DEVICE`). Must run before JAX starts a backend."""
     if n is None:
         return
+    if "PJRT_NPROC" not in os.environ:  # read by XLA when the CPU client starts
+        os.environ["PJRT_NPROC"] = str(max(cpu_threads(), CPU_THREADS_PER_DEVICE * n))
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
@@ -107,6 +131,18 @@ def check_mesh(mesh: Mesh) -> None:
         raise ConfigError(f"mesh axes {explicit} are not AxisType.Auto, but jaxpar places collectives "
                           "through sharding constraints on Auto axes; build the mesh with "
                           "jaxpar.mesh.make_mesh(config) or pass axis_types=(AxisType.Auto,) * 3.")
+
+
+def check_cpu_threads(mesh: Mesh) -> None:
+    """Warn, once, when simulated CPU devices share too few threads for their collectives (a hang
+    risk, see `CPU_THREADS_PER_DEVICE`); `use_cpu_devices` sets enough before JAX starts."""
+    devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    n = len(devices)
+    if n < 2 or devices[0].platform != "cpu" or max(cpu_threads(), n) >= CPU_THREADS_PER_DEVICE * n:
+        return
+    warnings.warn(f"{n} CPU devices share {max(cpu_threads(), n)} threads, and collectives running side by "
+                  f"side can exhaust them and hang; set PJRT_NPROC={CPU_THREADS_PER_DEVICE * n} before JAX "
+                  "starts (or call jaxpar.mesh.use_cpu_devices).", RuntimeWarning, stacklevel=3)
 
 
 def describe(mesh: Mesh) -> str:

@@ -10,7 +10,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+from jaxpar.mesh import use_cpu_devices  # noqa: E402
+
+use_cpu_devices(8)  # and threads enough for their collectives (PJRT_NPROC, inherited by subprocesses)
 
 if jax.device_count() != 8:  # no test may quietly pass on one device
     raise RuntimeError(f"tests need 8 simulated CPU devices, JAX started with {jax.device_count()}")

@@ -5,6 +5,7 @@ value and says how to fix it; these tests run in-process (the CLI's handling is 
 """
 
 import dataclasses
+import warnings
 from pathlib import Path
 
 import jax
@@ -284,6 +285,27 @@ def test_mesh_product_must_equal_device_count(overrides, values):
     with pytest.raises(ConfigError) as err:
         make_mesh(cfg)
     _assert_clear(err, *values)
+
+
+def test_simulated_devices_get_threads_for_their_collectives():
+    # conftest called use_cpu_devices(8): XLA sizes the CPU client's pools from PJRT_NPROC.
+    from jaxpar.mesh import CPU_THREADS_PER_DEVICE, cpu_threads
+
+    assert cpu_threads() >= CPU_THREADS_PER_DEVICE * 8
+
+
+def test_too_few_threads_for_simulated_devices_is_a_warning(monkeypatch):
+    from jaxpar.mesh import check_cpu_threads
+
+    mesh = make_mesh(load_config(None, ["mesh.data=2", "mesh.stage=2", "mesh.model=2"]))
+    monkeypatch.setenv("PJRT_NPROC", "8")
+    with pytest.warns(RuntimeWarning, match="8 CPU devices share 8 threads.*PJRT_NPROC=64"):
+        check_cpu_threads(mesh)
+    monkeypatch.setenv("PJRT_NPROC", "64")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_cpu_threads(mesh)
+        check_cpu_threads(make_mesh(load_config(None, ["mesh.data=1"]), jax.devices()[:1]))
 
 
 def test_mesh_with_explicit_sizes_covering_the_devices():

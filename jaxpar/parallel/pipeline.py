@@ -196,23 +196,15 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                 bv > 0, lambda: backward(x_b, cot, bmb, bk, no_loss),
                 lambda: (jax.tree.map(zeros_like_varying, chunk_params(bk)), jax.tree.map(zeros_like_varying, shared),
                          zeros_like_varying(x_b), no_loss))
-            # B, then F, then the forward hop, then the backward hop, in this order on every device.
-            # The actions' collectives (tensor parallelism's over `model`, ZeRO-3's gathers over
-            # `data`) sit inside conds, which a runtime that executes independent ops as their
-            # inputs become ready (XLA:CPU's thunk executor) does not order against the hops; two
-            # devices that pick different orders wait for each other forever (seen: interleaved
-            # 1F1B on (2, 4, 1) with ZeRO-3 and on (1, 4, 2), and 1F1B on (2, 2, 2), under load).
-            # The barriers make each step depend on the one before, so every device agrees.
-            x_f, dx = jax.lax.optimization_barrier((x_f, dx))
+            # B and F are independent, and so are the two hops: a runtime may run them side by side
+            # (on simulated CPU devices that needs threads to spare, see jaxpar.mesh.use_cpu_devices).
             y = jax.lax.cond(fv > 0, lambda: forward(x_f, fmb, fk), lambda: zeros_like_varying(x_f))
-            y, dx = jax.lax.optimization_barrier((y, dx))
             s_slot = fk * table.stash + fmb % table.stash
             stash = stash.at[s_slot].set(jnp.where(fv > 0, x_f, stash[s_slot]))
             g_blocks = jax.tree.map(lambda a, g: a.at[bk].add(g.astype(jnp.float32)), g_blocks, dbl)
             g_shared = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_shared, dsh)
             # One hop per tick: activations to the next stage, gradients to the previous one.
             recv_f = jax.lax.ppermute(y, STAGE, fwd_pairs)
-            recv_f, dx = jax.lax.optimization_barrier((recv_f, dx))  # the backward hop after the forward one
             recv_b = jax.lax.ppermute(dx, STAGE, bwd_pairs)
             # Which (chunk, microbatch) arrived: read off the sender's action in this tick's row.
             prev, nxt = (stage - 1) % p, (stage + 1) % p

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import model
 from jaxpar.config import Config, ConfigError, validate
-from jaxpar.mesh import AXES, check_mesh, check_sizes, make_mesh
+from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_mesh
 from jaxpar.parallel.gradients import make_loss_and_grads
 from jaxpar.parallel.zero import Layout, make_layout
 from jaxpar.sharding import compute_rules, vocab_offset, vocab_reduce
@@ -105,6 +105,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     validate(cfg)  # a Config built in Python (from_dict, replace) gets the same checks as a file
     mesh = make_mesh(cfg) if mesh is None else mesh
     check_mesh(mesh)
+    check_cpu_threads(mesh)
     check_sizes(cfg, tuple(mesh.shape[a] for a in AXES))
     platform = mesh.devices.flat[0].platform
     if cfg.model.attention == "cudnn" and platform != "gpu":
