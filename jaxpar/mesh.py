@@ -25,10 +25,10 @@ AXES = ("data", "stage", "model")
 # device's independent collectives side by side (a pipeline tick's stage hop beside an all-reduce of
 # the other action: `optimization_barrier` orders the HLO schedule, not the runtime), so one thread
 # per device is not enough: every thread can end up waiting while a device that they wait for has
-# its next op queued behind them. With 8 devices on 8 threads, interleaved 1F1B on (2, 2, 2) hung
-# within 300 steps, idle or loaded; with 16 or more none of the pipelined programs hung (README,
-# "Simulated CPU devices"). Eight threads per device leave room for every collective a step can
-# have in flight; idle threads cost nothing.
+# its next op queued behind them. With 8 devices on 8 threads, interleaved 1F1B on (2, 2, 2) with
+# tensor parallelism hung within 300 steps, idle or loaded; with 32 or 64 threads no pipelined
+# program hung (README, 3D composition). Eight threads per device leave room for every collective
+# a step can have in flight; idle threads cost nothing.
 CPU_THREADS_PER_DEVICE = 8
 
 
