@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -145,8 +146,8 @@ def markdown(rows: list[dict], machine: dict, cfg, args, command: str) -> str:
         "pipeline tick's `lax.cond` branch is counted as if its branch ran every tick, so the stage and model "
         "columns of pipelined meshes are upper bounds (idle ticks skip their compute and its collectives).\n\n"
         f"Measured {machine['date']} on {machine['device_count']} simulated {machine['platform']} devices on "
-        f"{machine['cpu_count']} CPU cores ({machine['cpu_model']}) shared with other work running at the same "
-        f"time, jax {machine['jax_version']}; median of {args.steps} steps after {args.warmup} warmup, each timed "
+        f"{machine['cpu_count']} CPU cores ({machine['cpu_model']}; 1-minute load average "
+        f"{machine['load_avg_1m_at_start']} when the run started), jax {machine['jax_version']}; median of {args.steps} steps after {args.warmup} warmup, each timed "
         "from dispatch to `jax.block_until_ready`, batches prebuilt. The step times say what the 8 simulated "
         "devices cost on 2 shared cores (where every device's compute runs on the same 2 cores, so more "
         "parallelism mostly adds collectives and per-tick overhead), not what any mesh costs on accelerators; "
@@ -171,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
                                                f"parallel.microbatches={p}"])
             for d, p, t in factorizations(args.devices)]  # every config is checked before anything compiles
     use_cpu_devices(args.devices)
+    load = os.getloadavg()[0]  # other work on the cores when the run started (2 cores: 2.0 = busy)
 
     rows = []
     for cfg in cfgs:
@@ -182,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
               + f" MiB/step, median {r['step_time_s']['median'] * 1e3:.0f} ms (compile {r['compile_s']:.1f} s)",
               flush=True)
 
-    machine = machine_info()
+    machine = {**machine_info(), "load_avg_1m_at_start": round(load, 2)}
     command = " ".join(["python", "benchmarks/three_d.py"] + sys.argv[1:])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         "config": cfgs[0].to_dict(),  # mesh and parallel.microbatches: as in each row
         "timing": ("each step timed alone, dispatch to jax.block_until_ready on the new state and metrics; "
                    "batches prebuilt with batch_at before timing; compile_s is AOT lower+compile of the step; "
-                   "the CPU cores were shared with other work during the run"),
+                   "machine.load_avg_1m_at_start: other work on the cores when the run started"),
         "rows": rows,
     }
     out.write_text(json.dumps(result, indent=2) + "\n")
