@@ -154,9 +154,9 @@ def measure(cfg, args) -> dict:
 
 def theory_ratio(zero: int) -> float:
     """Wire bytes of the gradient/parameter collectives relative to ZeRO-0's all-reduce (2 units):
-    ZeRO-1 all-reduces the gradients (2) and all-gathers the new parameters (1): 1.5x; ZeRO-2
-    reduce-scatters (1) and all-gathers (1): 1.0x; ZeRO-3 gathers twice and reduce-scatters: 1.5x."""
-    return {0: 1.0, 1: 1.5, 2: 1.0, 3: 1.5}[zero]
+    ZeRO-1 and ZeRO-2 reduce-scatter the gradients (1) and all-gather the new parameters (1):
+    1.0x; ZeRO-3 gathers twice and reduce-scatters: 1.5x."""
+    return {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}[zero]
 
 
 def mib(x: float) -> str:

@@ -114,6 +114,11 @@ class ParallelConfig:
     pipeline): microbatch (per layer, in every forward and backward pass: least memory, most traffic)
     or step (each layer once per step, kept for the step: the memory of this stage's whole
     parameters, the traffic of one gather)."""
+    zero2_reduce: Literal["microbatch", "step"] = "microbatch"
+    """Where ZeRO-2 reduce-scatters gradients when a step runs several microbatches: microbatch
+    (per layer inside every backward pass, shards accumulated: 1/d of the gradient memory, m
+    reduce-scatters per step, DeepSpeed's way) or step (full float32 gradients accumulated,
+    reduce-scattered once after the loop: ZeRO-1's program)."""
 
 
 @dataclasses.dataclass(frozen=True)

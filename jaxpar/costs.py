@@ -22,6 +22,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config, validate
 from jaxpar.mesh import AXES, check_sizes
+from jaxpar.parallel.gradients import reduce_at_use
 from jaxpar.parallel.zero import make_layout, state_bytes
 from jaxpar.plan_presets import Hardware
 
@@ -135,7 +136,8 @@ def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: 
         # Inside the shard_map every axis is manual: the marks run Megatron's collectives and no
         # sharding constraint is left to place.
         rules = Rules({n: None for n in LOGICAL_NAMES})
-        with activation_rules(None, rules, tp=TensorParallel(t, sp, mcfg.n_heads, mcfg.kv_heads)):
+        with activation_rules(None, rules, tp=TensorParallel(t, sp, mcfg.n_heads, mcfg.kv_heads),
+                              compute_dtype=mcfg.dtype):
             found.extend(saved_residuals(loss, local, inputs))
         return _
 
@@ -285,7 +287,13 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     zero = par.zero
     flash = uses_flash_attention(cfg, platform)
     if p == 1:
-        grads = st["local"] if zero < 3 else st["grads"]
+        if zero == 3 or (zero in (1, 2) and d > 1 and reduce_at_use(cfg, zero)):
+            # Reduce-scattered where each layer's gradient arises: the data shards, plus one
+            # layer's full gradient in flight (ZeRO-1/2; ZeRO-3's is counted with its gathers).
+            layer = st["blocks"] // max(1, m.n_layers) if zero < 3 else 0
+            grads = st["local"] - st["sharded"] + st["sharded"] / d + layer
+        else:
+            grads = st["local"]
         if micro > 1:
             grads = grads * (1 + f32)
         act = _activations(m, rows, t, sp, par.remat, True, flash)
@@ -316,12 +324,9 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         head, working = act["outside"], logits
     saved = act["layers"] + head
     if p == 1:
+        # With microbatches every one runs inside the accumulation loop: one microbatch's
+        # activations at a time.
         transient = max(recomputed, act["layer_all"] // 2, working)
-        if micro > 1:
-            # The first microbatch runs before the accumulation loop (it starts the float32
-            # accumulator with the gradients' exact type) and XLA gives the loop body buffers of
-            # its own: two microbatches' activations, measured so on CPU.
-            saved *= 2
     else:
         # A chunk's backward runs inside one tick (vjp of the stashed input); measured on CPU its
         # working set beyond the saved values is what remat recomputes, or the logits' cotangent.
@@ -336,6 +341,8 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         blocks_layer = st["blocks"] // max(1, m.n_layers // p)
         shared = st["local"] - st["blocks"]
         gathered = shared + (st["blocks"] if _gather_per_step(cfg, p) else 2 * blocks_layer)
+        if not _gather_per_step(cfg, p):  # gathered per use in the compute dtype (matrices: nearly all of it)
+            gathered = gathered * min(1.0, _BYTES[m.dtype] / itemsize)
     out.update(gradients=int(grads), activations=int(saved + transient), pipeline_buffers=int(buffers),
                gathered_params=int(gathered), batch=rows * micro * (m.seq_len + 1) * 4)
     out["total"] = sum(out.values())
@@ -394,14 +401,17 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             if st["local"] > st["sharded"]:
                 out.append(Collective("all-reduce", ("data",), st["local"] - st["sharded"], micro, overlap=True))
         else:
-            in_scan = zero < 2 and micro == 1  # ZeRO-0/1, one microbatch: per layer in the backward scan
-            if zero == 2:
-                out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d))
+            # At use (one microbatch, or ZeRO-2 per microbatch): per layer in the backward scan,
+            # once per microbatch; else once after the accumulation loop.
+            in_scan = reduce_at_use(cfg, zero)
+            runs = micro if in_scan else 1
+            if zero >= 1:
+                out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d, runs, overlap=in_scan))
                 reduced = st["local"] - st["sharded"]
             else:
                 reduced = st["local"]
             if reduced:
-                out.append(Collective("all-reduce", ("data",), reduced, overlap=in_scan))
+                out.append(Collective("all-reduce", ("data",), reduced, runs, overlap=in_scan))
             if zero >= 1 and st["sharded"]:
                 out.append(Collective("all-gather", ("data",), st["sharded"]))  # the updated parameters
     if p > 1:
@@ -414,7 +424,12 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
         shared = st["local"] - st["blocks"]
         # Float32 accumulators reduced once after the tick loop: blocks over data, the shared
         # leaves (embeddings, head; used by the end stages) over data and stage.
-        if d > 1 and zero >= 2:
+        if d > 1 and zero == 2 and par.zero2_reduce == "microbatch":
+            # Reduce-scattered by every B where its seed is transposed (per microbatch).
+            out.append(Collective("reduce-scatter", ("data",), st["blocks_sharded"] / d, micro, overlap=True))
+            if st["blocks"] > st["blocks_sharded"]:
+                out.append(Collective("all-reduce", ("data",), (st["blocks"] - st["blocks_sharded"]) * f32))
+        elif d > 1 and zero >= 1:
             # ZeRO-2/3 under a pipeline, modelled ahead of the implementation: the accumulators
             # reduce-scattered after the loop; ZeRO-3 gathers each chunk's layers where F and B
             # use them (per microbatch: forward, recomputed forward, backward), or once per step.

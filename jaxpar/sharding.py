@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -126,10 +127,13 @@ def zeros_like_varying(x: jax.Array) -> jax.Array:
 
 
 # Parameters returned by `use_params` carry this name, so that rematerialization never saves them:
-# under ZeRO-3 they are all-gathered copies, gathered again in the backward pass instead.
+# under ZeRO-3 they are all-gathered copies, gathered again in the backward pass instead; with a
+# compute dtype narrower than the stored one they are casts, cast again instead.
 PARAMS_TAG = "jaxpar_params"
 
-ParamFn = Callable[[jax.Array, tuple[str, ...]], jax.Array]
+# A hook that hands a parameter to the model: `(x, logical names, dtype) -> value`, where dtype is
+# the compute dtype the value must come out in (None: as stored). `x` is an array, or a `Handout`.
+ParamFn = Callable[[Any, tuple[str, ...], Any], jax.Array]
 
 # Primitives that hand out parameters inside a data-parallel region: a data-axis cast (`pvary`)
 # and ZeRO-3's all-gather over `data`. Their results are cheap to recompute (or must not be held,
@@ -143,19 +147,58 @@ def _hands_out_params(prim, params: dict) -> bool:
     if prim.name == "all_gather":  # ZeRO-3's gathers are over `data`; sequence parallelism's over `model`
         axes = params.get("axis_name", ())
         return "data" in ((axes,) if isinstance(axes, str) else tuple(axes))
+    if prim.name.startswith("custom_vjp_call"):  # jaxpar's hand-out rules (ZeRO-1/2 scatter, ZeRO-3 gather)
+        jaxpr = params.get("call_jaxpr") or params.get("fun_jaxpr")
+        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        return jaxpr is not None and any(_hands_out_params(e.primitive, e.params) for e in jaxpr.eqns)
     return prim.name == "name" and params.get("name") == PARAMS_TAG
 
 
 def params_never_saved(policy: Callable[..., bool] | None) -> Callable[..., bool]:
     """A remat policy like `policy` (None: save nothing) that never saves handed-out parameters.
 
-    Per layer, the backward pass re-gathers ZeRO-3 shards instead of holding every layer's
-    gathered weights from the forward pass (which would undo ZeRO-3's memory saving)."""
+    Per layer, the backward pass re-gathers ZeRO-3 shards (and recasts weights to the compute
+    dtype) instead of holding every layer's handed-out weights from the forward pass (which
+    would undo ZeRO-3's memory saving, or add the weights' bytes in the compute dtype)."""
     def saveable(prim, *args, **params) -> bool:
         if _hands_out_params(prim, params):
             return False
         return policy is not None and policy(prim, *args, **params)
     return saveable
+
+
+@jax.tree_util.register_pytree_node_class
+class Handout:
+    """A parameter as ZeRO-1/2 hand it to the model: the replicated value `full` and a zero `seed`
+    shaped like its data shard. The model sees `full`; the gradient comes out as the seed's,
+    reduce-scattered over `data` where the parameter was used (`jaxpar.parallel.gradients`).
+    A pytree of both, so that the layer scan slices them together."""
+
+    def __init__(self, full: jax.Array, seed: jax.Array):
+        self.full, self.seed = full, seed
+
+    @property
+    def shape(self):
+        return self.full.shape
+
+    @property
+    def dtype(self):
+        return self.full.dtype
+
+    def tree_flatten(self):
+        return (self.full, self.seed), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def compute_cast(names: Sequence[str]) -> bool:
+    """Does the model consume a parameter with these logical names in the compute dtype? Matrices
+    and embeddings (two or more dims besides `layers`) yes; norm scales and biases are read in
+    float32 or cast by the layer itself. (A registered block must keep to this: its matrices
+    reach it already in `model.dtype`.)"""
+    return sum(n != "layers" for n in names) >= 2
 
 
 class TensorParallel(NamedTuple):
@@ -177,6 +220,7 @@ class _Active(NamedTuple):
     rules: Rules
     param_fn: ParamFn | None
     tp: TensorParallel | None
+    compute_dtype: Any
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("jaxpar_rules", default=None)
@@ -184,13 +228,19 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("jaxpar
 
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh, rules: Rules, *, param_fn: ParamFn | None = None,
-                     tp: TensorParallel | None = None):
+                     tp: TensorParallel | None = None, compute_dtype: Any = None):
     """Within this context (at trace time) `constrain` pins activations to `rules` on `mesh`,
     `use_params` passes each parameter and its logical names through `param_fn` (e.g. a data-axis
     `pcast`, whose transpose reduces the gradient exactly where its parameter entered the
     computation, or a ZeRO-3 all-gather, whose transpose reduce-scatters it), and with `tp` the
-    tensor-parallel marks (`enter_tp`, `exit_tp`, ...) run Megatron's explicit collectives."""
-    token = _ACTIVE.set(_Active(mesh, rules, param_fn, tp))
+    tensor-parallel marks (`enter_tp`, `exit_tp`, ...) run Megatron's explicit collectives. With
+    `compute_dtype`, matrices are handed out already cast to it (`compute_cast`), after their
+    data-axis cast (so gradients are reduced in the stored dtype) or, for ZeRO-3, before their
+    gather (half the bytes in bf16), and under the parameters' name: no remat policy saves a cast.
+    """
+    if compute_dtype is not None:
+        compute_dtype = jnp.dtype(compute_dtype)
+    token = _ACTIVE.set(_Active(mesh, rules, param_fn, tp, compute_dtype))
     try:
         yield
     finally:
@@ -211,14 +261,44 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, active.rules.spec(names)))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def recast(x: jax.Array, dtype) -> jax.Array:
+    """`x` cast to the compute `dtype` as an opaque step that jaxpar's remat policies never save
+    (its output is a named parameter): the backward pass casts again rather than holding a
+    narrow copy of every weight from the forward pass. Its gradient is cast back to x's dtype."""
+    return checkpoint_name(x.astype(dtype), PARAMS_TAG)
+
+
+def _recast_fwd(x, dtype):
+    return recast(x, dtype), jnp.zeros((0,), x.dtype)  # the residual only carries x's dtype
+
+
+def _recast_bwd(dtype, res, ct):
+    return (ct.astype(res.dtype),)
+
+
+recast.defvjp(_recast_fwd, _recast_bwd)
+
+
 def use_params(tree: Any, names: Any) -> Any:
-    """Mark a tree of parameters (dims named by the matching tree `names`) as about to be used."""
+    """Mark a tree of parameters (dims named by the matching tree `names`) as about to be used:
+    each leaf passes through the active `param_fn` and, for a matrix, the cast to the compute
+    dtype, and comes out under the name `PARAMS_TAG` (never saved by jaxpar's remat policies)."""
     active = _ACTIVE.get()
-    if active is None or active.param_fn is None:
+    if active is None or (active.param_fn is None and active.compute_dtype is None):
         return tree
-    fn = active.param_fn
-    return jax.tree.map(lambda x, n: checkpoint_name(fn(x, n), PARAMS_TAG), tree, names,
-                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x))
+    fn, dt = active.param_fn, active.compute_dtype
+
+    def hand_out(x, n):
+        cast = dt if dt is not None and compute_cast(n) and dt != x.dtype else None
+        if fn is not None:
+            y = fn(x, n, cast)
+        else:
+            y = x if cast is None else recast(x, cast)
+        return checkpoint_name(y, PARAMS_TAG)
+
+    return jax.tree.map(hand_out, tree, names,
+                        is_leaf=lambda x: isinstance(x, Handout) or (isinstance(x, tuple) and all(isinstance(a, str) for a in x)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ Where each gradient is reduced (DESIGN.md decision 5):
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -32,23 +33,78 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config
 from jaxpar.parallel.zero import Layout
-from jaxpar.sharding import Rules, TensorParallel, activation_rules, compute_rules, vary, varying_axes
+from jaxpar.sharding import (Handout, recast, Rules, TensorParallel, activation_rules, compute_rules, vary, varying_axes,
+                             zeros_like_varying)
 
 DATA, MODEL = "data", "model"
 
 
-def _varying(x: jax.Array, names: tuple[str, ...] = ()) -> jax.Array:
-    del names
+def _varying(x: jax.Array) -> jax.Array:
     return vary(x, DATA)
 
 
-def _gather_or_vary(layout: Layout) -> Callable:
-    def use(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
-        """ZeRO-3's use of a parameter: all-gather a data shard, or mark a replicated leaf varying."""
-        if DATA in varying_axes(x):
-            return jax.lax.all_gather(x, DATA, axis=layout.gather_dim(names, x.shape), tiled=True)
-        return _varying(x)
+def _cast(x: jax.Array, dtype) -> jax.Array:
+    return x if dtype is None else recast(x, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scatter_at_use(full: jax.Array, seed: jax.Array, dim: int) -> jax.Array:
+    """ZeRO-1/2's use of a replicated parameter: `full`, data-varying; its gradient comes out as
+    the gradient of `seed` (a zero data shard), reduce-scattered over `data` right here in the
+    backward pass (per layer, inside the layer scan), so the full gradient never exists."""
+    return _varying(full)
+
+
+def _scatter_fwd(full, seed, dim):
+    return _varying(full), None
+
+
+def _scatter_bwd(dim, _, ct):
+    return None, jax.lax.psum_scatter(ct, DATA, scatter_dimension=dim, tiled=True)
+
+
+_scatter_at_use.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_cast(shard: jax.Array, dim: int, dtype, stored) -> jax.Array:
+    """ZeRO-3's use of a data shard in a narrower compute dtype: cast, then all-gather (half the
+    bytes in bf16, as FSDP's mixed precision); the gradient is reduce-scattered in the stored
+    dtype (float32), not in the compute dtype."""
+    return jax.lax.all_gather(shard.astype(dtype), DATA, axis=dim, tiled=True)
+
+
+def _gather_cast_fwd(shard, dim, dtype, stored):
+    return _gather_cast(shard, dim, dtype, stored), None
+
+
+def _gather_cast_bwd(dim, dtype, stored, _, ct):
+    return (jax.lax.psum_scatter(ct.astype(stored), DATA, scatter_dimension=dim, tiled=True),)
+
+
+_gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)
+
+
+def hand_out(layout: Layout) -> Callable:
+    """The `use_params` hook inside a shard_map manual over `data`: a `Handout` (ZeRO-1/2) is
+    reduce-scattered at use, a data shard (ZeRO-3) all-gathered at use, anything else cast to
+    data-varying (its gradient all-reduced at use). Matrices come out in the compute dtype."""
+    def use(x, names: tuple[str, ...], cast) -> jax.Array:
+        if isinstance(x, Handout):
+            return _cast(_scatter_at_use(x.full, x.seed, layout.gather_dim(names, x.seed.shape)), cast)
+        if DATA in varying_axes(x):  # a ZeRO-3 shard, or a value already made data-varying
+            dim = layout.gather_dims.get((tuple(names), tuple(x.shape))) if layout.zero == 3 else None
+            if dim is None:
+                return _cast(x, cast)
+            if cast is None:
+                return jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+            return _gather_cast(x, dim, cast, x.dtype)
+        return _cast(_varying(x), cast)
     return use
+
+
+def _cast_only(x, names, cast) -> jax.Array:
+    return _cast(x, cast)
 
 
 def manual_region(cfg: Config, mesh: Mesh, *always: str) -> tuple[set[str], Rules, TensorParallel | None]:
@@ -59,6 +115,23 @@ def manual_region(cfg: Config, mesh: Mesh, *always: str) -> tuple[set[str], Rule
     manual = set(always) | ({DATA} if mesh.shape[DATA] > 1 else set()) | ({MODEL} if t > 1 else set())
     tp = TensorParallel(t, cfg.parallel.sequence_parallel, cfg.model.n_heads, cfg.model.kv_heads) if t > 1 else None
     return manual, compute_rules(cfg, mesh).without(tuple(manual)), tp
+
+
+def reduce_at_use(cfg: Config, zero: int) -> bool:
+    """Is every gradient reduced over `data` where its parameter is used (per layer, inside the
+    backward layer scan, and per microbatch), rather than accumulated and reduced after the loop?"""
+    m = cfg.parallel.microbatches
+    if zero == 3:
+        return m == 1 or cfg.parallel.zero3_gather == "microbatch"
+    if zero == 2:
+        return m == 1 or cfg.parallel.zero2_reduce == "microbatch"
+    return m == 1
+
+
+def _seed(x: jax.Array, dim: int, data: int) -> jax.Array:
+    """Zeros shaped like x's data shard along `dim`, varying over `data` (and whatever x varies over)."""
+    shape = x.shape[:dim] + (x.shape[dim] // data,) + x.shape[dim + 1:]
+    return vary(jnp.zeros(shape, x.dtype), (*varying_axes(x), DATA))
 
 
 def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callable) -> Callable:
@@ -72,49 +145,58 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     partitioner on jax 0.10.2 ("Cross-partition allreduce must be in (partial) manual
     partitioning mode"), and there is nothing to reduce over it anyway.
     """
-    zero, m = layout.zero, cfg.parallel.microbatches
+    zero, m, d = layout.zero, cfg.parallel.microbatches, mesh.shape[DATA]
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
-    dp = mesh.shape[DATA] > 1
+    dp = d > 1
     manual, rules, tp = manual_region(cfg, mesh)
-    reduce_at_use = zero in (0, 1) and m == 1
-    gather_per_step = zero == 3 and m > 1 and cfg.parallel.zero3_gather == "step"
-    param_fn = _gather_or_vary(layout) if zero == 3 and not gather_per_step else _varying if reduce_at_use else None
-    param_fn = param_fn if dp else None
+    at_use = dp and reduce_at_use(cfg, zero)
+    param_fn = hand_out(layout) if at_use else _cast_only
+    # ZeRO-1/2 leaves sharded over data: handed out with a seed when reduced at use.
+    scatter = jax.tree.map(lambda dim: at_use and zero in (1, 2) and dim is not None, layout.zero_dims,
+                           is_leaf=lambda x: x is None or isinstance(x, int))
 
-    def grads_of(params, rows):
-        with activation_rules(mesh, rules, param_fn=param_fn, tp=tp):
-            return jax.value_and_grad(lambda p: loss_fn(p, rows, n_tokens))(params)
+    def grads_of(diff, params, rows):
+        def loss_of(diff):
+            tree = jax.tree.map(lambda dd, p, s: Handout(p, dd) if s else dd, diff, params, scatter)
+            return loss_fn(tree, rows, n_tokens)
+        with activation_rules(mesh, rules, param_fn=param_fn, tp=tp, compute_dtype=cfg.model.dtype):
+            return jax.value_and_grad(loss_of)(diff)
 
-    def accumulate(params, batch):
+    def accumulate(diff, params, batch):
         if m == 1:
-            return grads_of(params, batch)
+            return grads_of(diff, params, batch)
         micro = batch.reshape(m, batch.shape[0] // m, *batch.shape[1:])
-        # The first microbatch starts the float32 accumulator, so it carries exactly the type
-        # (shape, and which manual axes it varies over) of the gradients it sums.
-        loss, g = grads_of(params, micro[0])
-        to_f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
 
-        def body(carry, rows):
-            acc_loss, acc = carry
-            loss, g = grads_of(params, rows)
-            return (acc_loss + loss, jax.tree.map(jnp.add, acc, to_f32(g))), None
+        # Every microbatch inside the loop (one microbatch's activations live at a time), into a
+        # float32 accumulator typed like what it sums: a gradient has its primal's shape and
+        # manual-axis variance.
+        def body(acc, rows):
+            loss, g = grads_of(diff, params, rows)
+            return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
 
-        (loss, acc), _ = jax.lax.scan(body, (loss, to_f32(g)), micro[1:])
-        return loss, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+        acc = jax.tree.map(lambda x: zeros_like_varying(x).astype(jnp.float32), diff)
+        acc, losses = jax.lax.scan(body, acc, micro)
+        return jnp.sum(losses), jax.tree.map(lambda a, x: a.astype(x.dtype), acc, diff)
 
     def local(params, batch):
-        after = dp and param_fn is None  # reduce after the loop: differentiate data-varying copies
-        if after and gather_per_step:  # ZeRO-3, once per step: the gathered copies are data-varying
-            params = jax.tree.map(_gather, params, layout.zero_dims)
-        if after:
+        if at_use:  # reduced where used: ZeRO-1/2 through seeds, ZeRO-0 and ZeRO-3 through param_fn
+            diff = jax.tree.map(lambda x, dim, s: _seed(x, dim, d) if s else x, params, layout.zero_dims, scatter,
+                                is_leaf=lambda x: x is None or isinstance(x, int))
+            return _finish(*accumulate(diff, params, batch))
+        if dp:  # accumulated unreduced over microbatches, reduced once after the loop
+            if zero == 3:  # ZeRO-3, gathered once per step: the gathered copies are data-varying
+                params = jax.tree.map(_gather, params, layout.zero_dims)
             params = jax.tree.map(_varying, params)
-        loss, g = accumulate(params, batch)
-        if after:
-            g = jax.tree.map(_reduce, g, layout.zero_dims) if zero >= 2 else jax.lax.psum(g, DATA)
+        loss, g = accumulate(params, params, batch)
+        if dp:
+            g = jax.tree.map(lambda x, dim: _reduce(x, dim if zero >= 1 else None), g, layout.zero_dims)
+        return _finish(loss, g)
+
+    def _finish(loss, g):
         return (jax.lax.psum(loss, DATA) if dp else loss), g
 
     if not manual:
-        return accumulate
+        return lambda params, batch: accumulate(params, params, batch)
     batch_spec = P(DATA) if dp else P()
     return jax.shard_map(local, mesh=mesh, in_specs=(layout.manual_specs("params", manual), batch_spec),
                          out_specs=(P(), layout.manual_specs("grads", manual)), axis_names=manual)

@@ -45,8 +45,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.parallel.zero import Layout
-from jaxpar.parallel.gradients import manual_region
-from jaxpar.sharding import activation_rules, vary, zeros_like_varying
+from jaxpar.parallel.gradients import _gather_cast, _seed, hand_out, manual_region
+from jaxpar.sharding import Handout, activation_rules, recast, vary, zeros_like_varying
 
 DATA, STAGE, MODEL = "data", "stage", "model"
 
@@ -106,6 +106,10 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     data_axes = (DATA,) if dp else ()
     zero = layout.zero if dp else 0  # on one data shard nothing is sharded
     gather = cfg.parallel.zero3_gather if zero == 3 else None
+    # ZeRO-2, per microbatch: every B reduce-scatters its sharded gradients where they arise (a
+    # seed per leaf, `jaxpar.parallel.gradients.Handout`), and the accumulator holds shards only.
+    scatter_mb = zero == 2 and cfg.parallel.zero2_reduce == "microbatch"
+    d = mesh.shape[DATA]
     names = model.param_names(cfg.model)
     # Interleaved chunks travel round the ring (the last stage's chunk k feeds stage 0's chunk k+1).
     fwd_pairs = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
@@ -127,15 +131,16 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         """The data-axis reduction after the loop of one gradient whose ZeRO dim is `dim`."""
         if not dp:
             return g
-        if dim is None or zero < 2:
+        if dim is None or zero < 1:
             return jax.lax.psum(g, DATA)
-        if gather == "microbatch":
-            return g  # reduce-scattered per microbatch, where its gather was transposed
+        if gather == "microbatch" or scatter_mb:
+            return g  # reduce-scattered per microbatch, where its gather (or its seed) was transposed
         return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
 
     def local(params, batch):
         stage = jax.lax.axis_index(STAGE)
-        param_fn = _gather_at_use(params, names, layout.zero_dims) if gather == "microbatch" else None
+        param_fn = (_gather_at_use(params, names, layout.zero_dims) if gather == "microbatch"
+                    else hand_out(layout) if scatter_mb else None)
         if gather == "step":  # every sharded leaf once per step, kept for the step
             params = jax.tree.map(_gather, params, layout.zero_dims)
         # This stage's v chunks, [v, layers per chunk, ...] (the blocks arrive in pipeline order).
@@ -157,6 +162,25 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         def chunk_params(k):
             return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, k, 0, keepdims=False), blocks)
 
+        # What B differentiates: the parameters, or (ZeRO-2 per microbatch) the seeds of the
+        # sharded ones, each handed to the model beside its parameter.
+        block_mask = jax.tree.map(lambda dim: scatter_mb and dim is not None, layout.zero_dims["blocks"],
+                                  is_leaf=lambda x: x is None or isinstance(x, int))
+        shared_mask = {k: jax.tree.map(lambda dim: scatter_mb and dim is not None, layout.zero_dims[k],
+                                       is_leaf=lambda x: x is None or isinstance(x, int)) for k in shared}
+        block_dims = layout.zero_dims["blocks"]
+        shared_dims = {k: layout.zero_dims[k] for k in shared}
+
+        def diff_blocks(k):  # one chunk: [layers per chunk, ...]; its zero dim is the stacked one's
+            return jax.tree.map(lambda w, dim, s: _seed(w, dim, d) if s else w, chunk_params(k), block_dims,
+                                block_mask)
+
+        def diff_shared():
+            return jax.tree.map(lambda w, dim, s: _seed(w, dim, d) if s else w, shared, shared_dims, shared_mask)
+
+        def handed(diff, full, mask):
+            return jax.tree.map(lambda dd, w, s: Handout(w, dd) if s else dd, diff, full, mask)
+
         def ends(k):  # does this (stage, local chunk) hold the first / the last chunk of the model?
             return (stage == 0) & (k == 0), (stage == p - 1) & (k == v - 1)
 
@@ -167,14 +191,19 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             tokens, targets = micro[mb, :, :-1], micro[mb, :, 1:]
             first, last = ends(k)
 
+            full_bl = chunk_params(k)
+
             def at_last():
-                loss, vjp = jax.vjp(lambda bl, sh, x: chunk_loss(bl, sh, x, tokens, targets, first),
-                                    chunk_params(k), shared, x_in)
+                loss, vjp = jax.vjp(lambda bl, sh, x: chunk_loss(handed(bl, full_bl, block_mask),
+                                                                 handed(sh, shared, shared_mask), x, tokens, targets,
+                                                                 first),
+                                    diff_blocks(k), diff_shared(), x_in)
                 return (*vjp(jnp.ones_like(loss)), loss)
 
             def inside():
-                _, vjp = jax.vjp(lambda bl, sh, x: chunk_forward(bl, sh, x, tokens, first),
-                                 chunk_params(k), shared, x_in)
+                _, vjp = jax.vjp(lambda bl, sh, x: chunk_forward(handed(bl, full_bl, block_mask),
+                                                                 handed(sh, shared, shared_mask), x, tokens, first),
+                                 diff_blocks(k), diff_shared(), x_in)
                 return (*vjp(cot), no_loss)
 
             return jax.lax.cond(last, at_last, inside)
@@ -194,7 +223,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             no_loss = zeros_like_varying(loss_acc)
             dbl, dsh, dx, loss = jax.lax.cond(
                 bv > 0, lambda: backward(x_b, cot, bmb, bk, no_loss),
-                lambda: (jax.tree.map(zeros_like_varying, chunk_params(bk)), jax.tree.map(zeros_like_varying, shared),
+                lambda: (jax.tree.map(zeros_like_varying, diff_blocks(bk)), jax.tree.map(zeros_like_varying, diff_shared()),
                          zeros_like_varying(x_b), no_loss))
             # B and F are independent, and so are the two hops: a runtime may run them side by side
             # (on simulated CPU devices that needs threads to spare, see jaxpar.mesh.use_cpu_devices).
@@ -220,13 +249,14 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
 
         f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
         carry = (zeros((v * table.fwd_slots, *act_shape)), zeros((v * table.bwd_slots, *act_shape)),
-                 zeros((v * table.stash, *act_shape)), f32_like(blocks), f32_like(shared),
+                 zeros((v * table.stash, *act_shape)), f32_like(jax.tree.map(lambda w, dim, s: _seed(w, dim + 1, d) if s else w, blocks, block_dims,
+                                       block_mask)), f32_like(diff_shared()),
                  jax.lax.pcast(jnp.zeros((), jnp.float32), (*data_axes, STAGE), to="varying"))
         rows = {k: jnp.asarray(a) for k, a in dataclasses.asdict(table).items() if isinstance(a, np.ndarray)}
-        with activation_rules(mesh, rules, param_fn=param_fn, tp=tp):
+        with activation_rules(mesh, rules, param_fn=param_fn, tp=tp, compute_dtype=cfg.model.dtype):
             (_, _, _, g_blocks, g_shared, loss), _ = jax.lax.scan(tick, carry, rows)
         # The one reduction per step, after the tick loop.
-        g_blocks = jax.tree.map(lambda g, w, dim: reduce_data(g.reshape(w.shape), dim).astype(w.dtype),
+        g_blocks = jax.tree.map(lambda g, w, dim: reduce_data(g.reshape(-1, *g.shape[2:]), dim).astype(w.dtype),
                                 g_blocks, params["blocks"], layout.zero_dims["blocks"])
         g_shared = {k: jax.tree.map(lambda g, w, dim: jax.lax.psum(reduce_data(g, dim), STAGE).astype(w.dtype),
                                     g_shared[k], params[k], layout.zero_dims[k]) for k in g_shared}
@@ -289,9 +319,13 @@ def _gather_at_use(params, names, zero_dims) -> Callable:
         raise ValueError(f"ZeRO-3 in the pipeline: sharded and replicated parameters share (names, shape) "
                          f"{sorted(ambiguous)}")
 
-    def use(x: jax.Array, n: tuple[str, ...]) -> jax.Array:
+    def use(x: jax.Array, n: tuple[str, ...], cast) -> jax.Array:
         dim = sharded.get((tuple(n), tuple(x.shape)))
-        return x if dim is None else jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+        if dim is None:
+            return x if cast is None else recast(x, cast)
+        if cast is None:
+            return jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+        return _gather_cast(x, dim, cast, x.dtype)  # in the compute dtype, reduce-scattered in the stored one
     return use
 
 

@@ -107,13 +107,17 @@ def make_layout(cfg: Config, mesh: Mesh, names: Any, shapes: Any) -> Layout:
         return jax.tree.map(lambda b, d: _with_data(b, d) if zero >= min_zero else b, base, dims,
                             is_leaf=lambda x: isinstance(x, P))
 
-    params = stage(3)
-    return Layout(zero=zero, params=params, grads=stage(2), moments=stage(1), zero_dims=dims,
-                  gather_dims=_gather_dims(names, shapes, params, dims, mesh))
+    # Gradients leave the step reduce-scattered from ZeRO-1 on (each device updates its shard;
+    # DeepSpeed stage 1, Megatron's distributed optimizer); ZeRO-1 and 2 differ in whether the
+    # full gradient is accumulated before its reduction (`jaxpar.parallel.gradients`).
+    moments = stage(1)
+    return Layout(zero=zero, params=stage(3), grads=moments, moments=moments, zero_dims=dims,
+                  gather_dims=_gather_dims(names, shapes, moments, dims, mesh))
 
 
 def _gather_dims(names: Any, shapes: Any, specs: Any, dims: Any, mesh: Mesh) -> dict:
-    """Index the data-sharded dim of every parameter shard by (names, shard shape), for the stacked
+    """Index the data-sharded dim of every parameter shard (its shape with the data split, as ZeRO-3
+    stores it and as ZeRO-1/2's gradient seeds have it) by (names, shard shape), for the stacked
     leaf and for one layer of it (names without `layers`). Two leaves with the same key must agree."""
     out: dict = {}
     flat_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, int))
@@ -162,7 +166,8 @@ def state_bytes(layout: Layout, shapes: Any, mesh: Mesh, moments_per_param: int 
     full = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))
     return {
         "params": {"per_device": per_device(layout.params), "replicated": full},
-        "grads": {"per_device": per_device(layout.grads), "replicated": full},
+        # ZeRO-1 reduce-scatters its gradients too, but (with microbatches) holds them whole first.
+        "grads": {"per_device": per_device(layout.grads) if layout.zero >= 2 else full, "replicated": full},
         "optimizer": {"per_device": moments_per_param * per_device(layout.moments),
                       "replicated": moments_per_param * full},
     }
