@@ -1,7 +1,7 @@
 """One GPU: bf16 step time, tokens/s and MFU of the GPU presets, and cuDNN's fused attention
 against XLA's, with the achieved matmul peak measured on the same chip for reference.
 
-Model FLOPs per token are DESIGN.md's 6·N + 12·L·d_model·S (N the non-embedding parameters,
+Model FLOPs per token are DESIGN.md §6.1's 6·N + 12·L·d_model·S (N the non-embedding parameters,
 causal attention not halved); MFU divides the achieved model FLOP/s by the datasheet's dense
 bf16 peak (given with --peak-tflops) and, separately, by the matmul rate measured here.
 

@@ -13,7 +13,7 @@ ops carry "transpose" in their op_name):
 - the result bytes of each collective, predicted b·s·h·itemsize for all-reduce and all-gather and
   b·s·h·itemsize / t for reduce-scatter;
 - the ring wire bytes per device per layer (all-reduce of B: 2B(t-1)/t; all-gather with result B:
-  B(t-1)/t; reduce-scatter with result B: B(t-1)), predicted 8·(t-1)/t·b·s·h·itemsize (DESIGN.md);
+  B(t-1)/t; reduce-scatter with result B: B(t-1)), predicted 8·(t-1)/t·b·s·h·itemsize (DESIGN.md §6.3);
 
 plus XLA's temp bytes of the whole step (an activation-memory proxy), with and without SP, and
 their ratio. Smaller model-axis collectives in the loops (e.g. SP's all-reduce of norm-scale

@@ -3,7 +3,7 @@
 For each `parallel.zero` in 0, 1, 2, 3 (one microbatch) the train step of one config is built and
 AOT-compiled on one mesh, and the script reports:
 
-- the per-device bytes of model state predicted by the formula (DESIGN.md, Adam, bytes per
+- the per-device bytes of model state predicted by the formula (DESIGN.md §6.4, Adam, bytes per
   parameter P = G = itemsize of `model.param_dtype`, O = 2 * itemsize): replicated (P+G+O)Ψ;
   ZeRO-1 (P+G)Ψ + OΨ/d; ZeRO-2 PΨ + (G+O)Ψ/d; ZeRO-3 (P+G+O)Ψ/d, divided by stage*model;
 - the layout's own accounting (`jaxpar.parallel.zero.state_bytes`), which keeps small leaves
@@ -59,7 +59,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def formula_bytes(zero: int, psi: int, itemsize: int, d: int, tp: int = 1) -> dict[str, float]:
-    """Per-device bytes of params, grads and Adam moments by the ZeRO formula (DESIGN.md)."""
+    """Per-device bytes of params, grads and Adam moments by the ZeRO formula (DESIGN.md §6.4)."""
     P, G, O = itemsize * psi / tp, itemsize * psi / tp, 2 * itemsize * psi / tp
     return {"params": P / d if zero >= 3 else P,
             "grads": G / d if zero >= 2 else G,

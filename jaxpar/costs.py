@@ -337,7 +337,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # ZeRO-3 gathers each layer where it is used (two in flight: one used, one prefetched) and
         # the leaves outside the layer scan (embeddings, head) once, kept for the backward pass;
         # with `zero3_gather: step` (and microbatches or a pipeline), all of this device's
-        # parameters, kept for the step (modelled ahead of the implementation).
+        # parameters, kept for the step.
         blocks_layer = st["blocks"] // max(1, m.n_layers // p)
         shared = st["local"] - st["blocks"]
         gathered = shared + (st["blocks"] if _gather_per_step(cfg, p) else 2 * blocks_layer)
@@ -389,14 +389,15 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
         if zero == 3:
             shared = st["sharded"] - st["blocks_sharded"]
             if _gather_per_step(cfg, p):
-                # Modelled ahead of the implementation (zero3_gather: step): each layer gathered
-                # once and kept for the step.
+                # zero3_gather: step: every shard gathered once before the microbatch loop and
+                # kept for the step.
                 out.append(Collective("all-gather", ("data",), st["sharded"], 1, overlap=True))
             else:
                 # Per microbatch: each block layer gathered in the forward and again in the
                 # backward pass, the leaves outside the layer scan once.
                 out.append(Collective("all-gather", ("data",), 2 * st["blocks_sharded"] + shared, micro, overlap=True))
-            # Each gradient reduce-scattered, per microbatch.
+            # Each gradient reduce-scattered, per microbatch. (With zero3_gather: step the step
+            # reduce-scatters once, after the microbatch loop: DESIGN.md §4 row 5, §9.)
             out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d, micro, overlap=True))
             if st["local"] > st["sharded"]:
                 out.append(Collective("all-reduce", ("data",), st["local"] - st["sharded"], micro, overlap=True))
@@ -430,9 +431,12 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             if st["blocks"] > st["blocks_sharded"]:
                 out.append(Collective("all-reduce", ("data",), (st["blocks"] - st["blocks_sharded"]) * f32))
         elif d > 1 and zero >= 1:
-            # ZeRO-2/3 under a pipeline, modelled ahead of the implementation: the accumulators
-            # reduce-scattered after the loop; ZeRO-3 gathers each chunk's layers where F and B
+            # ZeRO-1/2 (zero2_reduce: step) and ZeRO-3 under a pipeline: the float32 accumulators
+            # reduce-scattered after the tick loop; ZeRO-3 gathers each chunk's layers where F and B
             # use them (per microbatch: forward, recomputed forward, backward), or once per step.
+            # (With zero3_gather: microbatch the step reduce-scatters per layer per B inside the
+            # loop instead, in the parameter dtype; this counts one reduction after the loop:
+            # DESIGN.md §4, §9.)
             out.append(Collective("reduce-scatter", ("data",), st["blocks_sharded"] * f32 / d))
             if st["blocks"] > st["blocks_sharded"]:
                 out.append(Collective("all-reduce", ("data",), (st["blocks"] - st["blocks_sharded"]) * f32))
@@ -454,8 +458,9 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
 
 
 def _gather_per_step(cfg: Config, p: int) -> bool:
-    """ZeRO-3 with `parallel.zero3_gather: step` and several microbatches (or a pipeline): each
-    layer is gathered once per step and kept (config.py's docstring; not yet in the step)."""
+    """ZeRO-3 with `parallel.zero3_gather: step` and several microbatches (or a pipeline): every
+    shard is gathered once per step, before the microbatch or tick loop, and kept for the step
+    (parallel/gradients.py, parallel/pipeline.py; DESIGN.md §4 rows 5 and 8)."""
     par = cfg.parallel
     return par.zero == 3 and par.zero3_gather == "step" and (par.microbatches > 1 or p > 1)
 
@@ -500,7 +505,7 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
 
 
 def model_flops_per_token(cfg: Config) -> float:
-    """6·N + 12·L·d_model·S (DESIGN.md): N the non-embedding parameters, causal attention not halved."""
+    """6·N + 12·L·d_model·S (DESIGN.md §6.1): N the non-embedding parameters, causal attention not halved."""
     m = cfg.model
     return 6 * model.count_params(m, embeddings=False) + 12 * m.n_layers * m.d_model * m.seq_len
 

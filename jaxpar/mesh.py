@@ -1,9 +1,13 @@
 """The ("data", "stage", "model") device mesh, and simulated CPU devices.
 
-Mode: every axis is `AxisType.Auto`. GSPMD places the collectives of tensor parallelism (a
-row-parallel matmul, a gather from a vocab-sharded embedding) from the sharding constraints of
-the rule tables; Explicit axes would refuse those ops without a per-op `out_sharding`
-(DESIGN.md decision 7). A user who brings a mesh with Explicit axes gets a clear error.
+Mode: every axis is `AxisType.Auto` (DESIGN.md decision 7). The train step's loss and gradients
+run in a shard_map manual over every axis of size > 1, whose collectives jaxpar writes itself
+(tensor parallelism's, the data-axis reductions, the pipeline's hops); GSPMD places the rest from
+the shardings: the all-gather of updated parameters under ZeRO-1/2, the gradient norm's partial
+sums, the interleaved layer reordering, and all of generation's tensor parallelism
+(`jaxpar.generate`). Explicit axes would refuse ops such as a row-parallel matmul or a gather
+from a vocab-sharded embedding without a per-op `out_sharding`. A user who brings a mesh with
+Explicit axes gets a clear error.
 """
 
 from __future__ import annotations

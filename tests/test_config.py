@@ -314,7 +314,7 @@ def test_mesh_with_explicit_sizes_covering_the_devices():
 
 
 def test_mesh_with_one_minus_one_that_cannot_fill_the_devices():
-    # stage=3 is refused as "not supported yet" by validate; resolve the shape directly.
+    # The rule under test is resolve_mesh_shape's alone (a -1 must fill the devices): call it directly.
     from jaxpar.config import MeshConfig, resolve_mesh_shape
 
     with pytest.raises(ConfigError) as err:
@@ -362,7 +362,7 @@ def test_global_batch_must_divide_over_data_resolved_by_the_mesh():
 
 
 # --------------------------------------------------------------------------------------------
-# Not supported yet: refused, never silently ignored
+# Out-of-range values: refused, never silently ignored
 
 
 def test_out_of_range_zero_is_a_range_error_not_a_feature_error():

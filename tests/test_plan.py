@@ -98,7 +98,7 @@ def test_bytes_per_axis_match_the_inspector(compiled, name):
 
 
 # ---------------------------------------------------------------------------------------------
-# The memory wall's arithmetic (DESIGN.md formulas), on the GPT-3 175B preset.
+# The memory wall's arithmetic (DESIGN.md §6.4, model state with Adam), on the GPT-3 175B preset.
 
 
 def gpt3(**sections):
