@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -14,6 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import jaxpar
@@ -128,6 +130,186 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(straight, tmp_path
     assert any("checkpoints/6" in r.getMessage() and "damaged" in r.getMessage() for r in caplog.records)
     assert os.path.isdir(tmp_path / "r" / "checkpoints" / "6.corrupt")
     assert sorted(losses(history)) == [4, 5, 6, 7]
+
+
+def tree_listing(root) -> dict[str, tuple[int, int]]:
+    """Every file and directory under `root` with its size and mtime (what a rename or a rewrite would change)."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            st = os.stat(p)
+            out[os.path.relpath(p, root)] = (st.st_size if name in files else 0, st.st_mtime_ns)
+    return out
+
+
+def restore_directly(cfg, run_dir):
+    """`Checkpoints.restore` of the newest checkpoint in run_dir, without training (no step compiled)."""
+    from jaxpar.train.step import build
+
+    program = build(cfg)
+    ckpt = ckpt_lib.Checkpoints(cfg, str(run_dir))
+    first = ckpt.candidate(program)
+    try:
+        return ckpt.restore(program, first)
+    finally:
+        ckpt.close()
+
+
+def _truncate_data(ckpt_dir):
+    for d, _, fs in os.walk(os.path.join(ckpt_dir, "state")):
+        for f in fs:
+            if os.path.basename(d) == "d":
+                with open(os.path.join(d, f), "r+b") as fh:
+                    fh.truncate(os.path.getsize(os.path.join(d, f)) // 2)
+
+
+def _delete_data(ckpt_dir):
+    for d, _, fs in os.walk(os.path.join(ckpt_dir, "state")):
+        for f in fs:
+            if os.path.basename(d) == "d":
+                os.remove(os.path.join(d, f))
+
+
+def _garble(path):
+    with open(path, "r+b") as fh:
+        data = bytearray(fh.read())
+        for i in range(len(data) // 3, min(len(data), len(data) // 3 + 64)):
+            data[i] ^= 0xFF
+        fh.seek(0)
+        fh.write(data)
+
+
+DAMAGE = {  # how a checkpoint's files get damaged (a full disk, a killed copy, bit rot, a partial rsync)
+    "data truncated": _truncate_data,
+    "data files missing": _delete_data,
+    "data garbled": lambda c: [_garble(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(c, "state"))
+                               for f in fs if os.path.basename(d) == "d"],
+    "array index missing": lambda c: os.remove(os.path.join(c, "state", "manifest.ocdbt")),
+    "array index truncated": lambda c: open(os.path.join(c, "state", "manifest.ocdbt"), "r+b").truncate(10),
+    "tree metadata missing": lambda c: os.remove(os.path.join(c, "state", "_METADATA")),
+    "tree metadata garbled": lambda c: _garble(os.path.join(c, "state", "_METADATA")),
+    "jaxpar metadata garbled": lambda c: _garble(os.path.join(c, "meta", "metadata")),
+    "jaxpar metadata missing": lambda c: os.remove(os.path.join(c, "meta", "metadata")),
+}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
+@pytest.mark.parametrize("how", list(DAMAGE))
+def test_each_kind_of_damage_is_moved_aside(straight, tmp_path, caplog, how):
+    cfg, run, _ = straight
+    shutil.copytree(run, tmp_path / "r")
+    DAMAGE[how](tmp_path / "r" / "checkpoints" / "6")
+    with caplog.at_level("WARNING", logger="jaxpar"):
+        state, step = restore_directly(cfg, tmp_path / "r")
+    assert step == 3 and int(state.step) == 3
+    assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["3", "6.corrupt"]
+    assert any("checkpoints/6 is damaged" in r.getMessage() for r in caplog.records)
+
+
+class _Boom(Exception):
+    pass
+
+
+def _xla_oom():
+    return jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 12582912 bytes.")
+
+
+NOT_DAMAGE = {  # what a restore can raise that says nothing about the checkpoint's files
+    "MemoryError": lambda path: MemoryError(),
+    "XLA out of memory": lambda path: _xla_oom(),
+    "EIO": lambda path: OSError(errno.EIO, "Input/output error", os.path.join(path, "state", "d", "x")),
+    "ESTALE": lambda path: OSError(errno.ESTALE, "Stale file handle", os.path.join(path, "state")),
+    "tensorstore UNAVAILABLE": lambda path: ValueError(f'UNAVAILABLE: Error reading local file "{path}/state/d/x"'),
+    "a bug": lambda path: _Boom("a bug in the restoring code"),
+}
+
+
+@pytest.mark.parametrize("what", list(NOT_DAMAGE))
+def test_a_failure_that_is_not_damage_propagates_and_renames_nothing(straight, tmp_path, monkeypatch, what):
+    cfg, run, _ = straight
+    shutil.copytree(run, tmp_path / "r")
+    before = tree_listing(tmp_path / "r")
+    raised = []
+
+    def failing_restore(self, directory, *args, **kwargs):  # orbax's reading of the `state` item
+        raised.append(NOT_DAMAGE[what](os.path.dirname(str(directory))))
+        raise raised[-1]
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "restore", failing_restore)
+    with pytest.raises(BaseException) as info:
+        jaxpar.train(cfg.replace(train={"run_dir": str(tmp_path / "r"), "steps": 7}))
+    assert info.value is raised[0]  # its own error, unchanged, after the first checkpoint tried
+    assert "every checkpoint was left as it is" in str(getattr(info.value, "__notes__", ""))
+    after = tree_listing(tmp_path / "r")
+    assert {p: v for p, v in after.items() if p.startswith("checkpoints")} == \
+        {p: v for p, v in before.items() if p.startswith("checkpoints")}
+
+
+def test_a_sharding_error_of_the_restoring_program_renames_nothing(straight, tmp_path, monkeypatch):
+    """A real (not injected) error from orbax and jax: the program asks for a sharding the array cannot have."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxpar.train.step import Program
+
+    cfg, run, _ = straight
+    shutil.copytree(run, tmp_path / "r")
+    before = tree_listing(tmp_path / "r" / "checkpoints")
+    real = Program.abstract_state
+
+    def bad_shardings(self):  # the scalar step counter split over `data`: no rank-0 array can be
+        abstract = real(self)
+        wrong = NamedSharding(self.mesh, PartitionSpec("data"))
+        return abstract._replace(step=jax.ShapeDtypeStruct((), abstract.step.dtype, sharding=wrong))
+
+    monkeypatch.setattr(Program, "abstract_state", bad_shardings)
+    with pytest.raises(ValueError) as info:
+        restore_directly(cfg, tmp_path / "r")
+    assert ckpt_lib.damage(info.value, str(tmp_path / "r" / "checkpoints" / "6")) is None
+    assert tree_listing(tmp_path / "r" / "checkpoints") == before
+
+
+def test_processes_agree_before_renaming(straight, tmp_path, monkeypatch):
+    """Another process's outcome decides for this one too (agree() is an allgather with several
+    processes; here it is replaced by what a second process would report)."""
+    cfg, run, _ = straight
+    assert ckpt_lib.decide([ckpt_lib.OK]) == ckpt_lib.OK
+    assert ckpt_lib.decide([ckpt_lib.OK, ckpt_lib.DAMAGED]) == ckpt_lib.DAMAGED
+    assert ckpt_lib.decide([ckpt_lib.DAMAGED, ckpt_lib.FAILED, ckpt_lib.OK]) == ckpt_lib.FAILED
+    assert ckpt_lib.agree(ckpt_lib.DAMAGED) == [ckpt_lib.DAMAGED]  # one process: its own outcome
+
+    # This process reads checkpoint 6 fine, process 1 finds it damaged: both move it aside and use 3.
+    shutil.copytree(run, tmp_path / "a")
+    other = {6: ckpt_lib.DAMAGED}
+    monkeypatch.setattr(ckpt_lib, "agree", lambda outcome: [outcome, other.get(seen.pop(0), ckpt_lib.OK)])
+    seen = [6, 3]
+    state, step = restore_directly(cfg, tmp_path / "a")
+    assert step == 3 and sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["3", "6.corrupt"]
+
+    # Process 1 fails otherwise (say, out of memory): this one stops too, and nothing is renamed.
+    shutil.copytree(run, tmp_path / "b")
+    before = tree_listing(tmp_path / "b" / "checkpoints")
+    other = {6: ckpt_lib.FAILED}
+    seen = [6]
+    with pytest.raises(CheckpointError, match=r"process 1 failed to restore checkpoint '.*/checkpoints/6' with an "
+                                              r"error that is not damage"):
+        restore_directly(cfg, tmp_path / "b")
+    assert tree_listing(tmp_path / "b" / "checkpoints") == before
+
+
+def test_damage_classification():
+    path = "/runs/x/checkpoints/6"
+    assert ckpt_lib.damage(FileNotFoundError(errno.ENOENT, "No such file", f"{path}/state/d/ab"), path)
+    assert ckpt_lib.damage(ValueError(f'OUT_OF_RANGE: Error reading Byte range [0, 40665) of local file '
+                                      f'"{path}/state/d/ab"'), path)
+    assert ckpt_lib.damage(ValueError(f'DATA_LOSS: Error decoding local file "{path}/state/manifest.ocdbt"'), path)
+    assert ckpt_lib.damage(json.JSONDecodeError("Expecting value", "{", 1), path)
+    # Not damage: a file elsewhere, a status of a transient or resource fault, another checkpoint's path.
+    assert ckpt_lib.damage(FileNotFoundError(errno.ENOENT, "No such file", "/usr/lib/libfoo.so"), path) is None
+    assert ckpt_lib.damage(ValueError(f'RESOURCE_EXHAUSTED: reading "{path}/state/d/ab"'), path) is None
+    assert ckpt_lib.damage(ValueError('NOT_FOUND: Error reading "/runs/x/checkpoints/3/state/d/ab"'), path) is None
+    assert ckpt_lib.damage(OSError(errno.EIO, "Input/output error", f"{path}/state/d/ab"), path) is None
+    assert ckpt_lib.damage(MemoryError(), path) is None
 
 
 def test_checkpoint_of_another_shape_is_refused_before_writing(straight, tmp_path):

@@ -14,6 +14,22 @@ data/stage/model sizes, schedule, ZeRO stage, process count): orbax reads the sl
 device needs. Orbax writes a checkpoint to a temporary directory and renames it when complete, so
 an interrupted save is never listed; a complete one whose files were damaged later fails to
 restore, is moved aside to `<step>.corrupt` with a warning, and the previous one is used.
+
+Only damage is damage (`damage()`): a checkpoint is moved aside when reading it fails because of
+its files, namely
+- a file of it is missing (FileNotFoundError naming a path inside it, or tensorstore NOT_FOUND);
+- a file is truncated or its bytes do not decode (tensorstore OUT_OF_RANGE or DATA_LOSS, a JSON,
+  UTF-8 or msgpack decode error);
+- its format does not hold: `meta/metadata` unreadable or not jaxpar's, `state/_METADATA` or the
+  OCDBT manifest missing or unreadable (`DamagedCheckpoint`).
+Anything else propagates unchanged and renames nothing: out of memory (MemoryError, XLA's
+RESOURCE_EXHAUSTED), a sharding or shape error of the restoring program, a checkpoint of another
+model (CheckpointError), and every other OSError, EIO included: an I/O error is as often a
+network file system's transient fault as a bad disk, jaxpar cannot tell them apart, and a
+checkpoint wrongly moved aside costs the run its progress, while a wrongly kept one costs a rerun.
+With several processes each one classifies its own outcome and all of them agree (an allgather)
+before anything is renamed: one failure that is not damage stops every process, damage seen by any
+process moves the checkpoint aside on all of them, and no process waits for another that gave up.
 """
 
 from __future__ import annotations
@@ -42,6 +58,10 @@ class CheckpointError(JaxparError):
     """A checkpoint that cannot serve this config (shapes, optimizer), or none usable."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files are missing or do not hold jaxpar's format."""
+
+
 def directory(run_dir: str) -> str:
     return os.path.join(os.path.abspath(run_dir), SUBDIR)
 
@@ -67,14 +87,95 @@ def _as_dict(state) -> dict[str, Any]:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "skipped": state.skipped}
 
 
+_META_KEYS = ("step", "config", "param_shapes", "opt_structure")
+
+
 def read_meta(run_dir: str, step: int) -> dict:
     path = os.path.join(directory(run_dir), str(step), "meta", "metadata")
     try:
         with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {os.path.dirname(os.path.dirname(path))!r} has no readable metadata "
-                              f"({type(e).__name__}); it is damaged: delete it, or resume from another run_dir.") from None
+            meta = json.load(f)
+        problem = None if isinstance(meta, dict) and all(k in meta for k in _META_KEYS) else "not jaxpar's metadata"
+    except FileNotFoundError:
+        problem = "missing"
+    except ValueError as e:  # JSON or UTF-8 decoding
+        problem = f"{type(e).__name__}: {e}"
+    if problem is not None:
+        raise DamagedCheckpoint(f"checkpoint {os.path.dirname(os.path.dirname(path))!r} has no readable metadata "
+                                f"({problem}); it is damaged: delete it, or resume from another run_dir.")
+    return meta
+
+
+# tensorstore's status codes for a file that is absent, shorter than its index says, or undecodable.
+_DAMAGE_STATUS = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS")
+
+
+def _decode_errors() -> tuple[type, ...]:
+    errors: tuple[type, ...] = (json.JSONDecodeError, UnicodeDecodeError)
+    try:
+        import msgpack
+
+        errors += (msgpack.exceptions.UnpackException, msgpack.exceptions.ExtraData)
+    except (ImportError, AttributeError):
+        pass
+    return errors
+
+
+def damage(error: BaseException, path: str) -> str | None:
+    """Why `error`, raised while restoring the checkpoint in `path`, shows that checkpoint is
+    damaged (a line for the warning), or None when it does not (the module's docstring has the rule)."""
+    path = os.path.abspath(path)
+    if isinstance(error, DamagedCheckpoint):
+        return str(error)
+    if isinstance(error, (FileNotFoundError, NotADirectoryError)):
+        where = str(error.filename or error)
+        return f"{type(error).__name__}: {error}" if path in where else None
+    if isinstance(error, _decode_errors()):
+        return f"{type(error).__name__}: {error}"
+    text = str(error)
+    if isinstance(error, ValueError) and text.split(":", 1)[0] in _DAMAGE_STATUS and path in text:
+        return text
+    return None
+
+
+def check_format(path: str) -> None:
+    """The files orbax reads first exist and decode (`DamagedCheckpoint` otherwise): without them
+    orbax reports a missing tree metadata as a pytree-structure error, indistinguishable from a bug."""
+    tree = os.path.join(path, "state", "_METADATA")
+    try:
+        with open(tree) as f:
+            json.load(f)
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"checkpoint {path!r} has no tree metadata ({tree} is missing); it is damaged: "
+                                "delete it, or resume from another run_dir.") from None
+    except ValueError as e:
+        raise DamagedCheckpoint(f"checkpoint {path!r} has unreadable tree metadata ({tree}: {type(e).__name__}); "
+                                "it is damaged: delete it, or resume from another run_dir.") from None
+    manifest = os.path.join(path, "state", "manifest.ocdbt")
+    if not os.path.isfile(manifest):
+        raise DamagedCheckpoint(f"checkpoint {path!r} has no array index ({manifest} is missing); it is damaged: "
+                                "delete it, or resume from another run_dir.")
+
+
+# Outcome of one process's attempt at a checkpoint.
+OK, DAMAGED, FAILED = 0, 1, 2
+
+
+def agree(outcome: int) -> list[int]:
+    """Every process's outcome (OK, DAMAGED or FAILED) of restoring the same checkpoint; all
+    processes call it, whatever happened to them (one process: `[outcome]`)."""
+    if jax.process_count() == 1:
+        return [outcome]
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return [int(x) for x in np.asarray(multihost_utils.process_allgather(np.int32(outcome))).reshape(-1)]
+
+
+def decide(outcomes: list[int]) -> int:
+    """What all processes do with a checkpoint: FAILED if any process failed otherwise than by
+    damage (stop, rename nothing), else DAMAGED if any found it damaged (move it aside), else OK."""
+    return max(outcomes)
 
 
 def check_compatible(meta: dict, where: str, params_abstract: Any, opt_abstract: Any) -> None:
@@ -136,11 +237,15 @@ class Checkpoints:
         steps = saved_steps(self.run_dir)
         if not steps:
             return None
-        step = steps[-1]
         abstract = program.abstract_state()
-        check_compatible(read_meta(self.run_dir, step), os.path.join(self.dir, str(step)),
-                         abstract.params, abstract.opt_state)
-        return step
+        for step in reversed(steps):  # the newest readable metadata (a damaged one is restore's to move aside)
+            try:
+                meta = read_meta(self.run_dir, step)
+            except DamagedCheckpoint:
+                continue
+            check_compatible(meta, os.path.join(self.dir, str(step)), abstract.params, abstract.opt_state)
+            break
+        return steps[-1]
 
     # ---------------------------------------------------------------- orbax
 
@@ -184,29 +289,61 @@ class Checkpoints:
 
     def restore(self, program, first: int):
         """Restore the newest restorable checkpoint at or before step `first` into `program`'s
-        shardings; a damaged one is moved aside with a warning and the previous one tried."""
-        import orbax.checkpoint as ocp
-
+        shardings; a damaged one is moved aside with a warning and the previous one tried. Any
+        other failure propagates and leaves the checkpoints as they are (the module's docstring)."""
         from jaxpar.train.step import TrainState
 
         abstract = _as_dict(program.abstract_state())
         for step in reversed([s for s in saved_steps(self.run_dir) if s <= first]):
             path = os.path.join(self.dir, str(step))
+            state = error = reason = None
             try:
-                check_compatible(read_meta(self.run_dir, step), path, abstract["params"],
-                                 abstract["opt_state"])
-                restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-                state = restored.state
-                return TrainState(state["step"], state["params"], state["opt_state"], state["skipped"]), step
-            except Exception as e:  # noqa: BLE001  (any failure to read a checkpoint means: damaged)
-                if isinstance(e, CheckpointError) and step == first:
-                    raise
-                reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                meta = read_meta(self.run_dir, step)
+                check_format(path)
+                check_compatible(meta, path, abstract["params"], abstract["opt_state"])
+                state = self._read(path, abstract)
+            except Exception as e:  # noqa: BLE001  (classified below, and re-raised unless it is damage)
+                error, reason = e, damage(e, path)
+            outcomes = agree(OK if error is None else DAMAGED if reason is not None else FAILED)
+            verdict = decide(outcomes)
+            if verdict == FAILED:
+                if error is not None and reason is None:
+                    error.add_note(f"jaxpar: raised while restoring checkpoint {path}; this is not damage to the "
+                                   "checkpoint's files, so every checkpoint was left as it is.")
+                    raise error
+                failed = [i for i, o in enumerate(outcomes) if o == FAILED]
+                raise CheckpointError(
+                    f"process {failed[0]} failed to restore checkpoint {path!r} with an error that is not damage "
+                    "(its own log names it); every process stops and the checkpoints are left as they are: fix "
+                    "that error and rerun.")
+            if verdict == DAMAGED:
+                if reason is None:
+                    damaged = [i for i, o in enumerate(outcomes) if o == DAMAGED]
+                    reason = f"process {damaged[0]} could not read it"
                 log.warning("warning: checkpoint %s is damaged and cannot be restored (%s); moving it to "
-                            "%s.corrupt and trying the previous one", path, reason, path)
+                            "%s.corrupt and trying the previous one", path, reason.strip().splitlines()[0][:300], path)
+                del state
                 self._move_aside(path)
+                continue
+            return TrainState(state["step"], state["params"], state["opt_state"], state["skipped"]), step
         raise CheckpointError(f"no checkpoint in {self.dir!r} could be restored (each was damaged and moved aside "
                               "to <step>.corrupt); set train.resume=never with a new train.run_dir to start afresh.")
+
+    @staticmethod
+    def _read(path: str, abstract: dict) -> dict:
+        """The `state` item of checkpoint `path`, read into `abstract`'s shardings.
+
+        The handler directly, not the manager: the manager's restore ends in a barrier of all
+        processes, where the others would wait forever for one whose read failed; `restore`'s
+        agreement is the barrier instead."""
+        import orbax.checkpoint as ocp
+        from etils import epath
+
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            return handler.restore(epath.Path(path) / "state", args=ocp.args.StandardRestore(abstract))
+        finally:
+            handler.close()
 
     def _move_aside(self, path: str) -> None:
         if self._manager is not None:  # its cached step list would still name the moved step
