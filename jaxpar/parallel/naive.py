@@ -45,9 +45,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config
-from jaxpar.parallel.gradients import manual_region
 from jaxpar.parallel.zero import Layout
-from jaxpar.sharding import activation_rules
+from jaxpar.sharding import activation_rules, compute_rules
 
 DATA = "data"
 ROOT = 0
@@ -114,6 +113,8 @@ def broadcast_from_root(tree: Any, d: int) -> Any:
     """ROOT's `tree` on every rank: d - 1 collective-permutes ROOT -> r. A rank that is not a
     permute's target receives zeros from it, so each rank's value is the sum of what it received
     (exact: one term is the root's value, the others are zeros); the root keeps its own."""
+    if d == 1:
+        return tree
     received = [jax.lax.ppermute(tree, DATA, [(ROOT, r)]) for r in range(d) if r != ROOT]
     total = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *received)
     is_root = jax.lax.axis_index(DATA) == ROOT
@@ -124,7 +125,7 @@ def _shard_grads(cfg: Config, mesh: Mesh, loss_fn: Callable) -> Callable:
     """`(params, rows) -> (loss, grads)` of this rank's rows, unreduced (inside the shard_map)."""
     m = cfg.parallel.microbatches
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
-    _, rules, _ = manual_region(cfg, mesh)
+    rules = compute_rules(cfg, mesh).without((DATA,))  # the shard_map is manual over data, even of size 1
 
     def grads_of(params, rows):
         with activation_rules(mesh, rules):
