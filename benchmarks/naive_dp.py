@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         r.update(steps=args.steps, warmup=args.warmup, final_loss=loss, step_times_s=times,
                  step_time_s={"median": statistics.median(times), "min": min(times), "max": max(times)})
         b = r["bytes_per_step"]
-        print(f"{name}: median {r['step_time_s']['median'] * 1e3:.1f} ms, device 0 sent {mib(b['device0']['sent'])} "
+        print(f"{r['mode']}: median {r['step_time_s']['median'] * 1e3:.1f} ms, device 0 sent {mib(b['device0']['sent'])} "
               f"received {mib(b['device0']['received'])} MiB, others sent <= {mib(b['others']['sent_max'])} "
               f"received <= {mib(b['others']['received_max'])} MiB (compile {r['compile_s']:.1f} s)", flush=True)
 
