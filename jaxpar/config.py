@@ -92,6 +92,10 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
+    data_mode: Literal["ddp", "naive"] = "ddp"
+    """How `data` shares gradients: ddp (all-reduce, every device updates its replica or ZeRO shard)
+    or naive (torch DataParallel's pattern: gradients gathered onto device 0, which alone holds the
+    optimizer state and updates, then sends the new parameters to the others; for comparison)."""
     zero: int = 0
     """ZeRO stage over `data`: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)."""
     zero_min_elements: int = 16384
@@ -416,6 +420,12 @@ def validate(cfg: Config) -> None:
     _require(par.zero in (0, 1, 2, 3), f"parallel.zero = {par.zero} must be 0, 1, 2 or 3; pick one of those stages.")
     _require(par.zero_min_elements >= 0, f"parallel.zero_min_elements = {par.zero_min_elements} must not be "
                                          "negative; set it to 0 to shard every leaf that can be sharded.")
+    if par.data_mode == "naive":  # one device updates everything: nothing else may split the state
+        for key, value, ok in (("parallel.zero", par.zero, 0), ("mesh.stage", mesh.stage, 1),
+                               ("mesh.model", mesh.model, 1)):
+            _require(value == ok, f"{key} = {value} cannot be combined with parallel.data_mode = naive, which "
+                                  "keeps the whole optimizer state and update on device 0 (data parallelism "
+                                  f"only); set {key}={ok}, or parallel.data_mode=ddp.")
     _require(par.microbatches >= 1, f"parallel.microbatches = {par.microbatches} must be at least 1; set it to 1 or more.")
     _require(par.virtual_stages >= 1, f"parallel.virtual_stages = {par.virtual_stages} must be at least 1; set it to 1 or more.")
 

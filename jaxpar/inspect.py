@@ -225,6 +225,49 @@ def parse_hlo(hlo_text: str, mesh, device_order: Sequence | None = None) -> tupl
     return tuple(out)
 
 
+def device_traffic(hlo_text: str, mesh, device_order: Sequence | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes each device sends and receives per call of the program, as arrays shaped like
+    `mesh.devices` (a device's mesh position indexes its entry).
+
+    A collective-permute moves its result bytes B from each source to its target, as the HLO's
+    source_target_pairs say (exact). Group collectives follow the ring model, the same for every
+    member of a group of n (B: a member's result bytes): all-reduce 2B(n-1)/n, all-gather
+    B(n-1)/n, reduce-scatter B(n-1), all-to-all B(n-1)/n, each sent and received; a
+    collective-broadcast is counted as a star (the group's first device sends B to each other).
+    """
+    comps, _ = _split_computations(hlo_text)
+    text = {(comp, name): rest for comp, lines in comps.items() for name, rest in lines}
+    coords = _coords(mesh, device_order)
+    flat = np.ravel_multi_index(tuple(coords.T), mesh.devices.shape)  # device id -> mesh position
+    sent, received = np.zeros(mesh.devices.size), np.zeros(mesh.devices.size)
+    for c in parse_hlo(hlo_text, mesh, device_order):
+        rest, b = text[(c.computation, c.name)], c.bytes * c.executions
+        if c.kind == "collective-permute":
+            m = _PAIRS.search(rest)
+            for source, target in (_int_lists(m.group(1)) if m else []):
+                if source != target:
+                    sent[flat[source]] += b
+                    received[flat[target]] += b
+            continue
+        for group in _replica_groups(rest, len(coords)):
+            n = len(group)
+            if n < 2:
+                continue
+            if c.kind == "collective-broadcast":
+                sent[flat[group[0]]] += b * (n - 1)
+                received[flat[group[1:]]] += b
+                continue
+            each = {"all-reduce": 2 * b * (n - 1) / n, "reduce-scatter": b * (n - 1)}.get(c.kind, b * (n - 1) / n)
+            sent[flat[group]] += each
+            received[flat[group]] += each
+    return sent.reshape(mesh.devices.shape), received.reshape(mesh.devices.shape)
+
+
+def compiled_device_traffic(compiled, mesh) -> tuple[np.ndarray, np.ndarray]:
+    """`device_traffic` of a `jax.stages.Compiled` whose devices form `mesh`."""
+    return device_traffic(compiled.as_text(), mesh, _device_order(compiled))
+
+
 def _split_computations(text: str) -> tuple[dict[str, list[tuple[str, str]]], str | None]:
     """{computation: [(instruction name, text after '=')]} and the ENTRY computation's name."""
     comps: dict[str, list[tuple[str, str]]] = {}

@@ -31,6 +31,7 @@ def _mib(n: int) -> str:
 def summary(cfg, mesh) -> str:
     from jaxpar import model
     from jaxpar.mesh import describe
+    from jaxpar.parallel import naive
     from jaxpar.parallel.gradients import describe_reduction
     from jaxpar.parallel.zero import make_layout, state_bytes
 
@@ -46,7 +47,7 @@ def summary(cfg, mesh) -> str:
         f"train   {tr.steps} steps x {tr.global_batch} sequences ({tr.global_batch * m.seq_len:,} tokens/step), "
         f"lr {tr.lr:g}, data {cfg.data.source!r}, run_dir {tr.run_dir}",
         f"parallel zero {cfg.parallel.zero}, remat {cfg.parallel.remat}, microbatches {cfg.parallel.microbatches}; "
-        f"gradients: {describe_reduction(cfg)}",
+        f"gradients: {naive.describe(cfg) if cfg.parallel.data_mode == 'naive' else describe_reduction(cfg)}",
         f"state   per device (of the fully replicated total): {per_device}",
         *_pipeline_line(cfg, mesh),
         "mesh\n" + describe(mesh),

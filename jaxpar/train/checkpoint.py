@@ -272,6 +272,10 @@ class Checkpoints:
                 "param_shapes": param_shapes(state.params), "opt_structure": str(jax.tree.structure(state.opt_state)),
                 "mesh": {a: int(s) for a, s in mesh.shape.items()}, "process_count": jax.process_count(),
                 "jaxpar_version": _version()}
+        if self.cfg.parallel.data_mode == "naive":  # device 0's optimizer slot, in the canonical layout
+            from jaxpar.parallel.naive import canonical_opt_state_on
+
+            state = state._replace(opt_state=canonical_opt_state_on(state.opt_state, mesh))
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_as_dict(state)),
                                                         meta=ocp.args.JsonSave(meta)))
         self.last_saved = step
@@ -294,6 +298,11 @@ class Checkpoints:
         from jaxpar.train.step import TrainState
 
         abstract = _as_dict(program.abstract_state())
+        naive = program.cfg.parallel.data_mode == "naive"
+        if naive:  # saved canonical (any mode's checkpoint), expanded to device 0's slot after reading
+            from jaxpar.parallel.naive import canonical_abstract_opt_state, from_canonical_opt_state
+
+            abstract["opt_state"] = canonical_abstract_opt_state(program)
         for step in reversed([s for s in saved_steps(self.run_dir) if s <= first]):
             path = os.path.join(self.dir, str(step))
             state = error = reason = None
@@ -325,6 +334,8 @@ class Checkpoints:
                 del state
                 self._move_aside(path)
                 continue
+            if naive:
+                state["opt_state"] = from_canonical_opt_state(program, state["opt_state"])
             return TrainState(state["step"], state["params"], state["opt_state"], state["skipped"]), step
         raise CheckpointError(f"no checkpoint in {self.dir!r} could be restored (each was damaged and moved aside "
                               "to <step>.corrupt); set train.resume=never with a new train.run_dir to start afresh.")

@@ -120,6 +120,11 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     param_shardings, grad_shardings, moment_shardings = shard(layout.params), shard(layout.grads), shard(layout.moments)
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, compute_rules(cfg, mesh).spec(("batch", None)))
+    if cfg.parallel.data_mode == "naive":  # torch DataParallel's pattern, for comparison: its own step
+        from jaxpar.parallel import naive
+
+        return naive.build(cfg, mesh, layout, optimizer, schedule, lambda p, rows, n: loss_fn(cfg, p, rows, n),
+                           shapes, batch_sharding)
     opt_shapes = jax.eval_shape(optimizer.init, shapes)
     state_shardings = TrainState(replicated, param_shardings,
                                  _opt_state_shardings(opt_shapes, moment_shardings, replicated), replicated)
