@@ -80,6 +80,8 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     gather_per_step = zero == 3 and m > 1 and cfg.parallel.zero3_gather == "step"
     param_fn = _gather_or_vary(layout) if zero == 3 and not gather_per_step else _varying if reduce_at_use else None
     param_fn = param_fn if dp else None
+    if cfg.train.master_weights != "none" and param_fn is _varying:  # float32 per-layer all-reduce
+        param_fn = lambda x, n: _varying(x.astype(jnp.float32))  # noqa: E731
 
     def grads_of(params, rows):
         with activation_rules(mesh, rules, param_fn=param_fn, tp=tp):
