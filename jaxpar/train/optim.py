@@ -70,3 +70,13 @@ def make_optimizer(tr: TrainConfig, names: Any) -> optax.GradientTransformation:
     if tr.master_weights != "none":
         return with_master_weights(opt, jnp.dtype(tr.master_weights))
     return opt
+
+
+def upcast_at_use(cfg, data: int, stage: int) -> bool:
+    """With master weights, whether the float32 upcast of each parameter happens where a layer
+    uses it (the per-layer all-reduce of ZeRO-0/1 with one microbatch, data > 1, no pipeline:
+    reduced in float32, stored in 16 bits) rather than as a float32 copy of the stored parameters
+    that the step differentiates (everywhere else). `jaxpar.train.step` and `jaxpar.costs` both ask."""
+    par = cfg.parallel
+    return (cfg.train.master_weights != "none" and par.zero in (0, 1) and par.microbatches == 1 and data > 1
+            and stage == 1)

@@ -29,7 +29,7 @@ from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_m
 from jaxpar.parallel.gradients import make_loss_and_grads
 from jaxpar.parallel.zero import Layout, make_layout
 from jaxpar.sharding import compute_rules, vocab_offset, vocab_reduce
-from jaxpar.train.optim import lr_schedule, make_optimizer, stored_params
+from jaxpar.train.optim import lr_schedule, make_optimizer, stored_params, upcast_at_use
 
 
 class TrainState(NamedTuple):
@@ -138,12 +138,11 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     # time: the all-reduce runs in float32 and the reduced gradient is stored in 16 bits. Elsewhere
     # the step differentiates the float32 upcast of the stored parameters, a transient copy (4
     # bytes per local parameter; of the shards only, under ZeRO-3).
-    upcast_at_use = (cfg.parallel.zero in (0, 1) and cfg.parallel.microbatches == 1 and mesh.shape["data"] > 1
-                     and mesh.shape["stage"] == 1)
+    at_use = upcast_at_use(cfg, mesh.shape["data"], mesh.shape["stage"])
 
     def for_grads(params):
         """What is differentiated: the stored parameters, or their (exact) float32 upcast."""
-        if not master or upcast_at_use:
+        if not master or at_use:
             return params
         return jax.tree.map(lambda p: p.astype(cfg.train.master_weights), params)
 
