@@ -50,7 +50,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype of matmuls and activations; the loss is always computed in float32."""
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Storage dtype of parameters and optimizer state (float32 master weights recommended)."""
+    """Storage dtype of parameters (and of the optimizer state unless train.master_weights is set)."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm / LayerNorm."""
     rope_theta: float = 10000.0
@@ -145,6 +145,12 @@ class TrainConfig:
     """Adam beta2."""
     grad_clip: float = 1.0
     """Global-norm gradient clipping threshold; 0 disables clipping."""
+    master_weights: Literal["none", "float32"] = "none"
+    """With a 16-bit model.param_dtype: `float32` keeps a float32 master copy of the parameters in
+    the optimizer state (laid out like Adam's moments, so ZeRO-1+ shards it over data), takes
+    float32 gradients, and stores the parameters the step uses as the master's 16-bit cast
+    (Megatron's mixed precision: 2 + 4 + 12/d bytes per parameter under ZeRO-1); `none`: the
+    optimizer updates the stored parameters, its moments in their dtype."""
     seed: int = 0
     """Seed of parameter initialization and of the data order."""
     run_dir: str = "runs/default"
@@ -435,6 +441,10 @@ def validate(cfg: Config) -> None:
     _require(tr.warmup_steps >= 0, f"train.warmup_steps = {tr.warmup_steps} must not be negative; set it to 0 or more.")
     _require(0 <= tr.min_lr_ratio <= 1, f"train.min_lr_ratio = {tr.min_lr_ratio} must lie in [0, 1]; set e.g. 0.1.")
     _require(tr.grad_clip >= 0, f"train.grad_clip = {tr.grad_clip} must not be negative; set e.g. 1.0, or 0 to disable clipping.")
+    _require(tr.master_weights == "none" or m.param_dtype != "float32",
+             f"train.master_weights = {tr.master_weights} needs a 16-bit model.param_dtype, but it is float32 "
+             "(the parameters are their own float32 master: a copy would only add 4 bytes per parameter); "
+             "set model.param_dtype=bfloat16 or train.master_weights=none.")
     _require(tr.weight_decay >= 0, f"train.weight_decay = {tr.weight_decay} must not be negative; set e.g. 0.1, or 0 to disable it.")
     _require(tr.log_every >= 1, f"train.log_every = {tr.log_every} must be at least 1; set it to 1 or more.")
     _require(tr.checkpoint_every >= 0, f"train.checkpoint_every = {tr.checkpoint_every} must not be negative; set it to 0 to disable checkpoints.")

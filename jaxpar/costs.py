@@ -25,6 +25,7 @@ from jaxpar.mesh import AXES, check_sizes
 from jaxpar.parallel.gradients import reduce_at_use
 from jaxpar.parallel.zero import make_layout, state_bytes
 from jaxpar.plan_presets import Hardware
+from jaxpar.train.optim import upcast_at_use
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -59,7 +60,10 @@ def model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     over data), `blocks_sharded` (of those, the stacked block leaves), `blocks` (all block leaves)."""
     layout, mesh = _layout(cfg, shape)
     shapes = model.param_shapes(cfg.model)
-    acct = state_bytes(layout, shapes, mesh)
+    # Adam: two moments in the parameter dtype; with master weights, master and moments in float32
+    # (3 x 4 bytes, in units of the parameter's bytes), on the same layout.
+    per_param = 2 if cfg.train.master_weights == "none" else 3 * 4 // _BYTES[cfg.model.param_dtype]
+    acct = state_bytes(layout, shapes, mesh, moments_per_param=per_param)
     base = jax.tree.map(lambda spec, d: _strip_data(spec), layout.moments, layout.zero_dims,
                         is_leaf=lambda x: isinstance(x, P))
     out = {"params": acct["params"]["per_device"], "grads": acct["grads"]["per_device"],
@@ -259,13 +263,17 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     `compiled.memory_analysis()` calls arguments + temp; outputs alias the donated state).
 
     - params, optimizer: the stored state of jaxpar's ZeRO layout (Adam: two moments, in the
-      parameter dtype).
+      parameter dtype; with `train.master_weights`, the float32 master and moments: 12 bytes per
+      parameter on the moments' layout).
     - gradients: what the step holds. One microbatch, ZeRO 0-2: every local gradient at its
       parameter's dtype (ZeRO-2 reduce-scatters after the backward pass, so the full gradient
       exists transiently: README, "Known cost"); ZeRO-3: the data shard. With microbatches, a
       float32 accumulator of the same extent plus one microbatch's gradients. Pipelines: float32
       accumulators of this stage's blocks and of the shared leaves (embeddings, head), reduced
-      after the tick loop, plus one chunk's gradients.
+      after the tick loop, plus one chunk's gradients. With master weights gradients are float32,
+      and where the step differentiates a float32 copy of the stored parameters
+      (`jaxpar.train.optim.upcast_at_use` false) that copy is counted here too; where the upcast
+      is per layer, reduced gradients are stored in the parameter dtype.
     - activations: the values JAX saves for the backward pass (`saved_activation_bytes`) of one
       microbatch (two with accumulation: see below; pipelines: of one chunk, which B recomputes
       from the stashed chunk input), plus the working set of the backward pass of one layer: its
@@ -280,6 +288,12 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     st = model_state(cfg, shape)
     itemsize = _BYTES[m.param_dtype]
     f32 = 4 / itemsize
+    master, at_use = cfg.train.master_weights != "none", upcast_at_use(cfg, d, p)
+    # With master weights and no per-layer upcast, what is differentiated is a float32 copy: its
+    # gradients (and ZeRO-3's gathered layers) are float32 and the model saves its casts of it.
+    g = f32 if master and not at_use else 1.0
+    upcast = (st["local"] if par.zero < 3 else st["params"]) * f32 if master and not at_use else 0
+    m_act = dataclasses.replace(m, param_dtype="float32") if master and not at_use else m
     micro = par.microbatches
     rows = cfg.train.global_batch // (d * micro)
     sp = par.sequence_parallel and t > 1
@@ -291,23 +305,24 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
             # Reduce-scattered where each layer's gradient arises: the data shards, plus one
             # layer's full gradient in flight (ZeRO-1/2; ZeRO-3's is counted with its gathers).
             layer = st["blocks"] // max(1, m.n_layers) if zero < 3 else 0
-            grads = st["local"] - st["sharded"] + st["sharded"] / d + layer
+            grads = (st["local"] - st["sharded"] + st["sharded"] / d + layer) * g
         else:
-            grads = st["local"]
+            grads = st["local"] * g
         if micro > 1:
-            grads = grads * (1 + f32)
-        act = _activations(m, rows, t, sp, par.remat, True, flash)
+            grads = grads + (st["local"] if zero < 3 else st["grads"]) * f32
+        act = _activations(m_act, rows, t, sp, par.remat, True, flash)
         buffers = 0
     else:
         sched, table = _schedule(cfg, p)
         v = par.virtual_stages
         layers = m.n_layers // (p * v) if par.stage_layers is None else max(par.stage_layers)
-        chunk = dataclasses.replace(m, n_layers=layers)
+        chunk = dataclasses.replace(m_act, n_layers=layers)
         # The last stage's chunk runs the head and the loss too: the most any stage saves.
         act = _activations(chunk, rows, t, sp, par.remat, True, flash)
         msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * _BYTES[m.dtype]
         buffers = v * (table.stash + table.fwd_slots + table.bwd_slots) * msg
-        grads = st["local"] * (f32 + 1)
+        grads = st["local"] * (f32 + g)
+    grads += upcast
     logits = rows * m.seq_len * m.padded_vocab // t * 4
     recomputed = act["layer_all"] - act["layer_saved"]
     if platform == "gpu":
@@ -340,7 +355,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # parameters, kept for the step.
         blocks_layer = st["blocks"] // max(1, m.n_layers // p)
         shared = st["local"] - st["blocks"]
-        gathered = shared + (st["blocks"] if _gather_per_step(cfg, p) else 2 * blocks_layer)
+        gathered = (shared + (st["blocks"] if _gather_per_step(cfg, p) else 2 * blocks_layer)) * g
         if not _gather_per_step(cfg, p):  # gathered per use in the compute dtype (matrices: nearly all of it)
             gathered = gathered * min(1.0, _BYTES[m.dtype] / itemsize)
     out.update(gradients=int(grads), activations=int(saved + transient), pipeline_buffers=int(buffers),
@@ -384,6 +399,9 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     micro, zero = par.microbatches, par.zero
     rows = cfg.train.global_batch // (d * micro)
     sp = par.sequence_parallel and t > 1
+    # With master weights gradients are reduced in float32, and what ZeRO-3 gathers is the float32
+    # upcast of its shards (jaxpar.train.step); the updated parameters are gathered in 16 bits.
+    gb = 4 / itemsize if cfg.train.master_weights != "none" else 1.0
     out: list[Collective] = []
     if d > 1 and p == 1:
         if zero == 3:
@@ -391,28 +409,30 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             if _gather_per_step(cfg, p):
                 # zero3_gather: step: every shard gathered once before the microbatch loop and
                 # kept for the step.
-                out.append(Collective("all-gather", ("data",), st["sharded"], 1, overlap=True))
+                out.append(Collective("all-gather", ("data",), st["sharded"] * gb, 1, overlap=True))
             else:
                 # Per microbatch: each block layer gathered in the forward and again in the
                 # backward pass, the leaves outside the layer scan once.
-                out.append(Collective("all-gather", ("data",), 2 * st["blocks_sharded"] + shared, micro, overlap=True))
+                out.append(Collective("all-gather", ("data",), (2 * st["blocks_sharded"] + shared) * gb, micro,
+                                      overlap=True))
             # Each gradient reduce-scattered, per microbatch. (With zero3_gather: step the step
             # reduce-scatters once, after the microbatch loop: DESIGN.md §4 row 5, §9.)
-            out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d, micro, overlap=True))
+            out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d * gb, micro, overlap=True))
             if st["local"] > st["sharded"]:
-                out.append(Collective("all-reduce", ("data",), st["local"] - st["sharded"], micro, overlap=True))
+                out.append(Collective("all-reduce", ("data",), (st["local"] - st["sharded"]) * gb, micro,
+                                      overlap=True))
         else:
             # At use (one microbatch, or ZeRO-2 per microbatch): per layer in the backward scan,
             # once per microbatch; else once after the accumulation loop.
             in_scan = reduce_at_use(cfg, zero)
             runs = micro if in_scan else 1
             if zero >= 1:
-                out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d, runs, overlap=in_scan))
+                out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d * gb, runs, overlap=in_scan))
                 reduced = st["local"] - st["sharded"]
             else:
                 reduced = st["local"]
             if reduced:
-                out.append(Collective("all-reduce", ("data",), reduced, runs, overlap=in_scan))
+                out.append(Collective("all-reduce", ("data",), reduced * gb, runs, overlap=in_scan))
             if zero >= 1 and st["sharded"]:
                 out.append(Collective("all-gather", ("data",), st["sharded"]))  # the updated parameters
     if p > 1:
@@ -442,7 +462,7 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
                 out.append(Collective("all-reduce", ("data",), (st["blocks"] - st["blocks_sharded"]) * f32))
             if zero == 3:
                 uses = 1 if _gather_per_step(cfg, p) else 3 * micro
-                out.append(Collective("all-gather", ("data",), st["blocks_sharded"], uses, overlap=True))
+                out.append(Collective("all-gather", ("data",), st["blocks_sharded"] * gb, uses, overlap=True))
         elif d > 1:
             out.append(Collective("all-reduce", ("data",), st["blocks"] * f32))
         out.append(Collective("all-reduce", ("data", "stage") if d > 1 else ("stage",), shared * f32))

@@ -37,6 +37,7 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of `python -m jaxpar.plan --json`."""
         return {"mesh": dict(zip(AXES, self.shape)), "parallel": self.cfg.to_dict()["parallel"],
+                "master_weights": self.cfg.train.master_weights,
                 "memory_bytes": self.memory, "flops_per_step": self.flops_per_step,
                 "bytes_per_step": self.bytes_per_step, "step_time_s": self.time["total"],
                 "step_time_parts_s": self.time, "mfu": self.mfu, "fits": self.fits}
@@ -62,8 +63,12 @@ def candidates(cfg: Config, devices: int, node_size: int):
     """Every (config, mesh shape) to consider on `devices` devices: each (data, stage, model) whose
     product is `devices` with the model axis inside a node, each ZeRO stage, remat policy,
     sequence parallelism (with a model axis), schedule (with a stage axis; interleaved with 2
-    chunks per stage) and power-of-two microbatch count (at least p with a pipeline)."""
+    chunks per stage), power-of-two microbatch count (at least p with a pipeline) and, with 16-bit
+    parameters, a float32 master copy or none (`train.master_weights`)."""
     B = cfg.train.global_batch
+    # With 16-bit parameters, with and without a float32 master copy (train.master_weights); float32
+    # parameters are their own master (the config's dtypes are the user's, not the planner's).
+    masters = ("none", "float32") if cfg.model.param_dtype != "float32" else ("none",)
     for t in _divisors(devices):
         if t > node_size:
             continue
@@ -82,14 +87,16 @@ def candidates(cfg: Config, devices: int, node_size: int):
                     for remat in ("none", "dots", "full"):
                         for schedule, v in schedules:
                             for m in micro:
-                                # dataclasses.replace, not Config.replace: these values have the
-                                # fields' types already, and re-parsing 10^4 configs is slow.
-                                yield dataclasses.replace(
-                                    cfg, mesh=dataclasses.replace(cfg.mesh, data=d, stage=p, model=t),
-                                    parallel=dataclasses.replace(
-                                        cfg.parallel, zero=zero, sequence_parallel=sp, remat=remat,
-                                        schedule=schedule, virtual_stages=v, microbatches=m,
-                                        stage_layers=None)), (d, p, t)
+                                for master in masters:
+                                    # dataclasses.replace, not Config.replace: these values have the
+                                    # fields' types already, and re-parsing 10^4 configs is slow.
+                                    yield dataclasses.replace(
+                                        cfg, mesh=dataclasses.replace(cfg.mesh, data=d, stage=p, model=t),
+                                        parallel=dataclasses.replace(
+                                            cfg.parallel, zero=zero, sequence_parallel=sp, remat=remat,
+                                            schedule=schedule, virtual_stages=v, microbatches=m,
+                                            stage_layers=None),
+                                        train=dataclasses.replace(cfg.train, master_weights=master)), (d, p, t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +210,8 @@ def _describe(e: Estimate) -> str:
         parts.append(f"{par.schedule}" + (f" v={par.virtual_stages}" if par.virtual_stages > 1 else ""))
     parts.append(f"{par.microbatches} microbatch{'es' if par.microbatches > 1 else ''}")
     parts.append(f"remat {par.remat}")
+    if e.cfg.train.master_weights != "none":
+        parts.append(f"{e.cfg.train.master_weights} master weights")
     if t > 1:
         parts.append("SP" if par.sequence_parallel else "no SP")
     return ", ".join(parts)
@@ -214,7 +223,7 @@ def _table(estimates: list[Estimate], title: str):
     table = Table(title=title, caption="memory per device: params + grads + optimizer + activations (incl. "
                                        "pipeline buffers, ZeRO-3 gathers); time: compute incl. bubble, then "
                                        "exposed traffic on data / stage / model")
-    for col in ("#", "data", "stage", "model", "ZeRO", "schedule", "m", "remat", "SP", "memory", "params",
+    for col in ("#", "data", "stage", "model", "ZeRO", "schedule", "m", "remat", "SP", "master", "memory", "params",
                 "grads", "optim", "activ", "step s", "bubble", "exposed d/s/m s", "MFU"):
         table.add_column(col, justify="right" if col not in ("schedule", "remat") else "left", no_wrap=True)
     for i, e in enumerate(estimates, 1):
@@ -223,7 +232,8 @@ def _table(estimates: list[Estimate], title: str):
         act = mem["activations"] + mem["pipeline_buffers"] + mem["gathered_params"] + mem["batch"]
         sched = "-" if p == 1 else par.schedule + (f" v{par.virtual_stages}" if par.virtual_stages > 1 else "")
         table.add_row(str(i), str(d), str(p), str(t), str(par.zero), sched, str(par.microbatches), par.remat,
-                      ("on" if par.sequence_parallel else "off") if t > 1 else "-", _human(mem["total"]),
+                      ("on" if par.sequence_parallel else "off") if t > 1 else "-",
+                      "-" if e.cfg.train.master_weights == "none" else "fp32", _human(mem["total"]),
                       _human(mem["params"]), _human(mem["gradients"]), _human(mem["optimizer"]), _human(act),
                       f"{tm['total']:.3g}", f"{tm['bubble_fraction']:.1%}" if p > 1 else "-",
                       f"{tm['data_comm']:.2g}/{tm['stage_comm']:.2g}/{tm['model_comm']:.2g}", f"{e.mfu:.1%}")

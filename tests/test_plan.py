@@ -249,3 +249,30 @@ def test_gpu_memory_prediction_matches_the_recorded_h200_steps():
         measured = case["memory_bytes"]["arguments"] + case["memory_bytes"]["temp"]
         predicted = memory(cfg, (1, 1, 1), platform="gpu")["total"]
         assert abs(predicted - measured) <= MEMORY_RTOL * measured, (case["case"], predicted, measured)
+
+
+# ---------------------------------------------------------------------------------------------
+# Master weights (bf16 parameters, float32 master + moments on the moments' layout): the planner's
+# bytes per parameter against the compiled step.
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_master_weights_bytes_per_parameter_match_the_compiled_step(zero):
+    d = 8
+    cfg = small(mesh=(d, 1, 1), zero=zero).replace(model={"dtype": "bfloat16", "param_dtype": "bfloat16"},
+                                                   train={"master_weights": "float32"})
+    psi = model.count_params(cfg.model)
+    st = model_state(cfg, (d, 1, 1))
+    # The stored state by the formula: bf16 parameters (2, or 2/d under ZeRO-3) and 12/d of float32
+    # master and moments; small leaves (norm scales) stay replicated: within 1%.
+    want = {1: 2 + 12 / d, 3: 14 / d}[zero]
+    assert abs((st["params"] + st["optimizer"]) / psi - want) <= 0.01 * want, (st, want)
+    mesh = make_mesh(cfg, jax.devices()[:d])
+    report = analyze(lower_step(cfg, mesh)[0], mesh)
+    predicted = memory(cfg, (d, 1, 1), platform="cpu")
+    # The arguments are exactly the stored state and the batch (step counters aside).
+    assert abs(predicted["params"] + predicted["optimizer"] + predicted["batch"] - report.memory.argument_bytes) <= 64
+    # Not asserted: the total. On CPU it is under-predicted by ~40% in this mode (31.7 MB measured,
+    # 19.4 MB predicted for ZeRO-1): XLA's CPU backend promotes 16-bit collectives to float32 (the
+    # bf16 all-gather of the updated parameters becomes a float32 one, with a float32 result
+    # buffer), which the planner, written for GPUs' native bf16 collectives, does not model.

@@ -56,11 +56,12 @@ def _scatter_at_use(full: jax.Array, seed: jax.Array, dim: int) -> jax.Array:
 
 
 def _scatter_fwd(full, seed, dim):
-    return _varying(full), None
+    return _varying(full), jnp.zeros((0,), seed.dtype)  # the residual only carries the seed's dtype
 
 
-def _scatter_bwd(dim, _, ct):
-    return None, jax.lax.psum_scatter(ct, DATA, scatter_dimension=dim, tiled=True)
+def _scatter_bwd(dim, res, ct):
+    # In the seed's dtype: float32 under train.master_weights, whatever the parameter's.
+    return None, jax.lax.psum_scatter(ct.astype(res.dtype), DATA, scatter_dimension=dim, tiled=True)
 
 
 _scatter_at_use.defvjp(_scatter_fwd, _scatter_bwd)
@@ -85,10 +86,12 @@ def _gather_cast_bwd(dim, dtype, stored, _, ct):
 _gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)
 
 
-def hand_out(layout: Layout) -> Callable:
+def hand_out(layout: Layout, upcast: bool = False) -> Callable:
     """The `use_params` hook inside a shard_map manual over `data`: a `Handout` (ZeRO-1/2) is
     reduce-scattered at use, a data shard (ZeRO-3) all-gathered at use, anything else cast to
-    data-varying (its gradient all-reduced at use). Matrices come out in the compute dtype."""
+    data-varying (its gradient all-reduced at use). Matrices come out in the compute dtype. With
+    `upcast` (master weights) a 16-bit parameter is made float32 first, so that its gradient is
+    reduced in float32."""
     def use(x, names: tuple[str, ...], cast) -> jax.Array:
         if isinstance(x, Handout):
             return _cast(_scatter_at_use(x.full, x.seed, layout.gather_dim(names, x.seed.shape)), cast)
@@ -99,6 +102,8 @@ def hand_out(layout: Layout) -> Callable:
             if cast is None:
                 return jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
             return _gather_cast(x, dim, cast, x.dtype)
+        if upcast:
+            x = x.astype(jnp.float32)
         return _cast(_varying(x), cast)
     return use
 
@@ -128,10 +133,11 @@ def reduce_at_use(cfg: Config, zero: int) -> bool:
     return m == 1
 
 
-def _seed(x: jax.Array, dim: int, data: int) -> jax.Array:
-    """Zeros shaped like x's data shard along `dim`, varying over `data` (and whatever x varies over)."""
+def _seed(x: jax.Array, dim: int, data: int, dtype=None) -> jax.Array:
+    """Zeros shaped like x's data shard along `dim` (in x's dtype, or `dtype`: the gradient's),
+    varying over `data` (and whatever x varies over)."""
     shape = x.shape[:dim] + (x.shape[dim] // data,) + x.shape[dim + 1:]
-    return vary(jnp.zeros(shape, x.dtype), (*varying_axes(x), DATA))
+    return vary(jnp.zeros(shape, dtype or x.dtype), (*varying_axes(x), DATA))
 
 
 def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callable) -> Callable:
@@ -150,7 +156,8 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     dp = d > 1
     manual, rules, tp = manual_region(cfg, mesh)
     at_use = dp and reduce_at_use(cfg, zero)
-    param_fn = hand_out(layout) if at_use else _cast_only
+    master = cfg.train.master_weights != "none"
+    param_fn = hand_out(layout, upcast=master) if at_use else _cast_only
     # ZeRO-1/2 leaves sharded over data: handed out with a seed when reduced at use.
     scatter = jax.tree.map(lambda dim: at_use and zero in (1, 2) and dim is not None, layout.zero_dims,
                            is_leaf=lambda x: x is None or isinstance(x, int))
@@ -180,7 +187,8 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
 
     def local(params, batch):
         if at_use:  # reduced where used: ZeRO-1/2 through seeds, ZeRO-0 and ZeRO-3 through param_fn
-            diff = jax.tree.map(lambda x, dim, s: _seed(x, dim, d) if s else x, params, layout.zero_dims, scatter,
+            diff = jax.tree.map(lambda x, dim, s: _seed(x, dim, d, jnp.float32 if master else None) if s else x,
+                                params, layout.zero_dims, scatter,
                                 is_leaf=lambda x: x is None or isinstance(x, int))
             return _finish(*accumulate(diff, params, batch))
         if dp:  # accumulated unreduced over microbatches, reduced once after the loop

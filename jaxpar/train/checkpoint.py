@@ -185,7 +185,7 @@ def check_compatible(meta: dict, where: str, params_abstract: Any, opt_abstract:
     if meta["opt_structure"] != str(jax.tree.structure(opt_abstract)):
         raise CheckpointError(
             f"checkpoint {where!r} holds optimizer state of another structure than this config's optimizer "
-            "(train.grad_clip switched between 0 and positive?); resume with the optimizer settings it was "
+            "(train.grad_clip switched between 0 and positive, or train.master_weights changed?); resume with the optimizer settings it was "
             "saved with or use a new train.run_dir.")
 
 

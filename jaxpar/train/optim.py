@@ -1,10 +1,12 @@
-"""The optimizer: AdamW with linear warmup and cosine decay, global-norm clipping, decay mask."""
+"""The optimizer: AdamW with linear warmup and cosine decay, global-norm clipping, decay mask, and
+optionally a float32 master copy of 16-bit parameters (`train.master_weights`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxpar.config import TrainConfig
@@ -24,10 +26,60 @@ def decay_mask(names: Any) -> Any:
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
+class MasterState(NamedTuple):
+    """Optimizer state with master weights: the float32 copy of the parameters, and the state of
+    the optimizer that updates it (Adam's moments, shaped like the parameters, in float32)."""
+
+    master: Any
+    inner: Any
+
+
+def with_master_weights(inner: optax.GradientTransformation, dtype: Any = jnp.float32
+                        ) -> optax.GradientTransformation:
+    """`inner` run on a `dtype` master copy of the parameters, held in the optimizer state.
+
+    `init(params)` upcasts the (16-bit) parameters into the master; `update(grads, state)` runs
+    `inner` on the master (the gradients should be `dtype` too) and returns `inner`'s updates
+    together with the state holding the updated master. The parameters the model uses are then the
+    master cast to their storage dtype (`stored_params`), not `params + updates`: a 16-bit sum
+    would drop every update smaller than half a unit in the last place of the parameter."""
+
+    def init(params):
+        master = jax.tree.map(lambda p: p.astype(dtype), params)
+        return MasterState(master, inner.init(master))
+
+    def update(grads, state, params=None):
+        del params  # the master is the parameter inner updates
+        updates, inner_state = inner.update(grads, state.inner, state.master)
+        return updates, MasterState(optax.apply_updates(state.master, updates), inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def stored_params(opt_state: MasterState, like: Any) -> Any:
+    """The parameters to store: the master cast to the dtypes of `like` (the stored parameters)."""
+    return jax.tree.map(lambda m, p: m.astype(p.dtype), opt_state.master, like)
+
+
 def make_optimizer(tr: TrainConfig, names: Any) -> optax.GradientTransformation:
-    """AdamW over a parameter tree whose logical dim names are `names`."""
+    """AdamW over a parameter tree whose logical dim names are `names` (on a float32 master copy
+    when `tr.master_weights` is set)."""
     adamw = optax.adamw(lr_schedule(tr), b1=tr.b1, b2=tr.b2, weight_decay=tr.weight_decay,
                         mask=decay_mask(names))
-    if tr.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(tr.grad_clip), adamw)
-    return adamw
+    opt = optax.chain(optax.clip_by_global_norm(tr.grad_clip), adamw) if tr.grad_clip > 0 else adamw
+    if tr.master_weights != "none":
+        return with_master_weights(opt, jnp.dtype(tr.master_weights))
+    return opt
+
+
+def upcast_at_use(cfg, data: int, stage: int) -> bool:
+    """With master weights, whether the float32 upcast of each parameter happens where a layer
+    uses it (the per-layer all-reduce of ZeRO-0/1 with one microbatch, data > 1, no pipeline:
+    reduced in float32, stored in 16 bits) rather than as a float32 copy of the stored parameters
+    that the step differentiates (everywhere else). `jaxpar.train.step` and `jaxpar.costs` both ask."""
+    from jaxpar.parallel.gradients import reduce_at_use
+
+    par = cfg.parallel
+    # ZeRO-1/2 reduce-scatter at use into float32 seeds (`jaxpar.parallel.gradients.Handout`).
+    return (cfg.train.master_weights != "none" and par.zero in (0, 1, 2) and reduce_at_use(cfg, par.zero)
+            and data > 1 and stage == 1)

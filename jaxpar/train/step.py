@@ -4,6 +4,13 @@ State is built as shapes -> shardings -> `jit(init, out_shardings=...)`, so para
 on their devices and never exist whole on one host. The step is one `jax.jit` program: forward and
 backward with one data-axis reduction of every gradient (`jaxpar.parallel.gradients`), clipping,
 AdamW on the ZeRO layout of `jaxpar.parallel.zero`.
+
+With `train.master_weights: float32` (16-bit `model.param_dtype`) the step differentiates the
+float32 upcast of the stored parameters, so that data-axis reductions, microbatch accumulation,
+clipping and the optimizer see float32 gradients (`for_grads` says where the upcast happens); AdamW
+updates the float32 master in the optimizer state (laid out like the moments:
+ZeRO-1+ shards it over data), and the new stored parameters are the master's 16-bit cast, which
+out_shardings all-gathers (in 16 bits) to the parameters' layout.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_m
 from jaxpar.parallel.gradients import make_loss_and_grads
 from jaxpar.parallel.zero import Layout, make_layout
 from jaxpar.sharding import compute_rules, vocab_offset, vocab_reduce
-from jaxpar.train.optim import lr_schedule, make_optimizer
+from jaxpar.train.optim import lr_schedule, make_optimizer, stored_params, upcast_at_use
 
 
 class TrainState(NamedTuple):
@@ -129,6 +136,25 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     state_shardings = TrainState(replicated, param_shardings,
                                  _opt_state_shardings(opt_shapes, moment_shardings, replicated), replicated)
     on_nan = cfg.train.on_nan
+    master = cfg.train.master_weights != "none"
+    # Where 16-bit parameters become float32 for differentiation (README, "Master weights"). Where
+    # gradients are all-reduced per layer as their parameter is used (ZeRO-0/1, one microbatch,
+    # data > 1, no pipeline: `jaxpar.parallel.gradients`), the upcast is there too, one layer at a
+    # time: the all-reduce runs in float32 and the reduced gradient is stored in 16 bits. Elsewhere
+    # the step differentiates the float32 upcast of the stored parameters, a transient copy (4
+    # bytes per local parameter; of the shards only, under ZeRO-3).
+    at_use = upcast_at_use(cfg, mesh.shape["data"], mesh.shape["stage"])
+
+    def for_grads(params):
+        """What is differentiated: the stored parameters, or their (exact) float32 upcast."""
+        if not master or at_use:
+            return params
+        return jax.tree.map(lambda p: p.astype(cfg.train.master_weights), params)
+
+    def grads_for_optimizer(g):
+        """With master weights the optimizer takes float32 gradients (a no-op where they are already)."""
+        return jax.tree.map(lambda x: x.astype(cfg.train.master_weights), g) if master else g
+
     if mesh.shape["stage"] > 1:
         from jaxpar.parallel.pipeline import make_pipeline_loss_and_grads, table_of
         from jaxpar.parallel.schedules import build as build_schedule
@@ -144,13 +170,21 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         params = model.init_params(cfg.model, key)
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
+    def grads_at(params, batch):
+        loss, g = loss_and_grads(for_grads(params), batch)
+        return loss, grads_for_optimizer(g)
+
     def step(state: TrainState, batch: jax.Array):
-        loss, g = loss_and_grads(state.params, batch)
+        loss, g = grads_at(state.params, batch)
         updates, opt_state = optimizer.update(g, state.opt_state, state.params)
         # ZeRO-1/2: each device computes the update of its optimizer-state shard only; the new
         # parameters are then all-gathered to their (replicated) storage layout by out_shardings.
         updates = jax.lax.with_sharding_constraint(updates, moment_shardings)
-        params = optax.apply_updates(state.params, updates)
+        if master:  # the updated master (a moment-layout shard), cast to the stored dtype
+            # Cast on the shard, so that out_shardings all-gathers 16-bit parameters, not the master.
+            params = jax.lax.with_sharding_constraint(stored_params(opt_state, state.params), moment_shardings)
+        else:
+            params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(g)
         # A non-finite loss or gradient drops the update (train.on_nan). With `stop`, the first such
         # step also freezes the state (step count included), so what the loop saves when it sees the
@@ -173,7 +207,8 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated), donate_argnums=0),
-        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(param_shardings, batch_sharding),
+        loss_and_grads=jax.jit(grads_at,
+                               in_shardings=(param_shardings, batch_sharding),
                                out_shardings=(replicated, grad_shardings)),
     )
 
