@@ -129,12 +129,13 @@ def test_the_matrix_covers_every_factorization_schedule_and_zero_stage():
 D, M = 4, 4
 
 
-def medium(zero, gather="microbatch", stage=2):
+def medium(zero, gather="microbatch", stage=2, reduce="microbatch"):
     return from_dict({
         "model": {"arch": "llama", "n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 512, "vocab_size": 256,
                   "seq_len": 16},
         "mesh": {"data": D, "stage": stage, "model": 8 // (D * stage)},
-        "parallel": {"zero": zero, "microbatches": M, "zero3_gather": gather, "schedule": "1f1b"},
+        "parallel": {"zero": zero, "microbatches": M, "zero3_gather": gather, "zero2_reduce": reduce,
+                     "schedule": "1f1b"},
         "train": {"global_batch": 2 * D * M},
     })
 
@@ -171,7 +172,7 @@ def gathered_leaves(cfg):
 
 
 def test_zero2_pipeline_reduce_scatters_once_after_the_tick_loop():
-    cfg = medium(2)
+    cfg = medium(2, reduce="step")
     r = report_of(cfg)
     assert not r.select(spans="data", in_loop=True), r.table()
     blocks, shared = gathered_leaves(cfg)
@@ -223,7 +224,7 @@ def test_zero3_gather_placement_trades_memory_for_traffic():
     """step holds this stage's gathered parameters for the step (temp grows by exactly their bytes
     over ZeRO-2, whose parameters are arguments) and a full float32 accumulator; microbatch holds
     shards of both, for more data-axis traffic."""
-    step, micro, zero2 = report_of(medium(3, "step")), report_of(medium(3, "microbatch")), report_of(medium(2))
+    step, micro, zero2 = report_of(medium(3, "step")), report_of(medium(3, "microbatch")), report_of(medium(2, reduce="step"))
     blocks, shared = gathered_leaves(medium(3))
     full = sum(blocks + shared)
     # 1%: XLA's buffer assignment may round or share a small buffer differently (measured exact
