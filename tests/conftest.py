@@ -1,7 +1,6 @@
 """Every test runs on 8 simulated CPU devices; the suite refuses to run on anything else."""
 
 import os
-import time
 
 # Before JAX starts a backend: 8 host devices, and nothing grabbing a GPU if one is present.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -38,15 +37,3 @@ def tiny():
         return from_dict(base)
 
     return make
-
-
-# `.ci/run` gives the slow tests a time budget (JAXPAR_TIME_BUDGET_S): once it is spent, the
-# remaining tests are skipped, visibly, with this reason. Unset (as in a developer's run), every
-# selected test runs.
-_BUDGET_S = float(os.environ.get("JAXPAR_TIME_BUDGET_S", "0") or 0)
-_START = time.monotonic()
-
-
-def pytest_runtest_setup(item):
-    if _BUDGET_S and time.monotonic() - _START > _BUDGET_S:
-        pytest.skip(f"JAXPAR_TIME_BUDGET_S = {_BUDGET_S:.0f} s spent (.ci/run's budget for the slow tests)")

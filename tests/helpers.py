@@ -1,14 +1,43 @@
-"""Shared test helpers: run a few steps of a config on a mesh and collect what parity compares."""
+"""Shared test helpers: run a few steps of a config on a mesh and collect what parity compares,
+and `assert_parity`, the one comparison every parity test of the suite makes."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+import optax
 
 from jaxpar.config import Config
 from jaxpar.mesh import make_mesh
 from jaxpar.train.data import batch_at, make_source
 from jaxpar.train.step import build
+
+# Tolerances of every parity test, all float32 rounding: a parallel run sums the same per-example
+# terms in another order (per-device partial sums over data shards, stages and model ranks, then
+# collectives). A missing or doubled reduction moves a gradient, and the gradient norm, by a
+# factor of 2 (relative error 0.5 or 1), far outside every figure here.
+LOSS_RTOL = 1e-5       # a mean of ~100 log-probabilities of size ~4: observed <= 9e-7 relative
+# The global norm of the gradient (the step's `grad_norm`, before clipping) at every step: a sum of
+# ~1e4 squares in another order, observed <= 2.5e-7 relative. A reduction done twice over data
+# doubles it, one left out divides it by up to d.
+GRAD_NORM_RTOL = 1e-5
+# Gradients of size 1e-3..0.34, leaf by leaf: observed diffs <= 1e-7. They are read back from the
+# step's own first Adam moment (see run_steps): two float32 roundings more on each side, <= 2.4e-7
+# at |g| = 1, the same on both runs up to one ulp.
+GRAD_ATOL = 1e-6
+# After 3 AdamW steps at lr 1e-2: Adam divides by sqrt(v) + eps, so a rounding difference in a
+# gradient element that is itself near zero moves that element's update by up to ~lr x its
+# relative difference. Observed <= 4.3e-6; 5e-5 is 0.5% of one step of size lr. (It cannot see a
+# doubled reduction: Adam and global-norm clipping are invariant to the gradient's scale, which
+# is why the gradients and their norms are compared too.)
+PARAM_ATOL = 5e-5
+
+# The parity runs compile with LLVM's optimizations off. Parity is a property of the partitioned
+# HLO program (every pass that shards, partitions and places collectives still runs); the backend
+# level only changes how each fused kernel is emitted, not what it computes (float32 rounding,
+# within the figures above), and halves the compile time that dominates these tests (step 6.0 ->
+# 3.5 s, init 3.5 -> 0.9 s of CPU per case). Structure and memory tests compile as the CLI does.
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 def single_device(cfg: Config) -> Config:
@@ -16,32 +45,88 @@ def single_device(cfg: Config) -> Config:
     return cfg.replace(mesh={"data": 1, "stage": 1, "model": 1})
 
 
-def run_steps(cfg: Config, devices=None, grads: bool = True) -> dict:
-    """Losses of every step, gradients at the initial parameters (first batch), final parameters.
+def run_steps(cfg: Config, devices=None) -> dict:
+    """Run `cfg.train.steps` steps of the compiled train step from `program.init`.
 
-    Runs on the first data x stage x model devices unless `devices` is given.
+    Returns the loss and the gradient norm (before clipping) of every step, the gradients at the
+    initial parameters on the first batch (as the step computed them), the initial and final
+    parameters and the count of skipped steps. Runs on the first data x stage x model devices
+    unless `devices` is given.
+
+    The gradients cost no extra program: Adam's first moment after step 0 is (1 - b1) x the
+    clipped gradient of step 0, and clipping scaled it by grad_clip / grad_norm when the norm
+    exceeded grad_clip. So they are the gradients of the very program that trains, per leaf.
     """
     if devices is None:
         devices = jax.devices()[:cfg.mesh.data * cfg.mesh.stage * cfg.mesh.model]
     mesh = make_mesh(cfg, devices)
     program = build(cfg, mesh)
     source = make_source(cfg)
-    state = program.init(jax.random.key(cfg.train.seed))
+    key = jax.random.key(cfg.train.seed)
+    state = program.init.lower(key).compile(COMPILER_OPTIONS)(key)
+    init = jax.device_get(state.params)
     batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(cfg.train.steps)]
-    if grads:  # at the initial parameters, on the first batch
-        grads = jax.device_get(program.loss_and_grads(state.params, batches[0])[1])
-    losses = []
+    step = program.step.lower(state, batches[0]).compile(COMPILER_OPTIONS)
+    losses, norms, grads = [], [], None
     for batch in batches:
-        state, metrics = program.step(state, batch)
+        state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-    return {"losses": np.array(losses), "grads": grads, "params": jax.device_get(state.params)}
+        norms.append(float(metrics["grad_norm"]))
+        if grads is None:
+            grads = _first_gradient(cfg, state.opt_state, norms[0])
+    return {"losses": np.array(losses), "grad_norms": np.array(norms), "grads": grads, "init": init,
+            "params": jax.device_get(state.params), "skipped": int(metrics["skipped_steps"])}
 
 
-def run_reference(cfg: Config, grads: bool = True) -> dict:
-    return run_steps(single_device(cfg).replace(parallel={"zero": 0, "microbatches": 1}),
-                     devices=jax.devices()[:1], grads=grads)
+def _first_gradient(cfg: Config, opt_state, grad_norm: float):
+    """The unclipped gradient of step 0, in float64, from Adam's first moment after it."""
+    tr = cfg.train
+    mu = jax.device_get(optax.tree.get(opt_state, "mu"))  # after one step from zero: (1 - b1) x clipped g
+    scale = (grad_norm / tr.grad_clip if tr.grad_clip > 0 and grad_norm >= tr.grad_clip else 1.0) / (1 - tr.b1)
+    return jax.tree.map(lambda m: np.asarray(m, np.float64) * scale, mu)
+
+
+def run_reference(cfg: Config) -> dict:
+    return run_steps(single_device(cfg).replace(parallel={"zero": 0, "microbatches": 1}), devices=jax.devices()[:1])
 
 
 def max_abs_diff(a, b) -> float:
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
                zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def parity_failures(out: dict, ref: dict) -> dict[str, str]:
+    """Which of the parity checks `out` fails against the single-device `ref`, with the figures:
+    losses at every step, gradient norms at every step, gradients at the initial parameters leaf
+    by leaf, final parameters. Empty when all pass."""
+    failed = {}
+    loss_err = np.max(np.abs(out["losses"] - ref["losses"]) / np.abs(ref["losses"]))
+    if not loss_err <= LOSS_RTOL:
+        failed["losses"] = f"relative diff {loss_err:.3g} > {LOSS_RTOL}: {out['losses']} vs {ref['losses']}"
+    norm_err = np.max(np.abs(out["grad_norms"] - ref["grad_norms"]) / ref["grad_norms"])
+    if not norm_err <= GRAD_NORM_RTOL:
+        failed["grad_norms"] = (f"relative diff {norm_err:.3g} > {GRAD_NORM_RTOL}: "
+                                f"{out['grad_norms']} vs {ref['grad_norms']}")
+    leaves = jax.tree_util.tree_leaves_with_path(out["grads"])
+    want = jax.tree.leaves(ref["grads"])
+    assert jax.tree.structure(out["grads"]) == jax.tree.structure(ref["grads"])
+    bad = [(jax.tree_util.keystr(p), float(np.max(np.abs(g - w)))) for (p, g), w in zip(leaves, want)]
+    bad = [(k, d) for k, d in bad if not d < GRAD_ATOL]
+    if bad:
+        failed["grads"] = f"{len(bad)} of {len(want)} leaves differ by >= {GRAD_ATOL}: " + ", ".join(
+            f"{k} {d:.3g}" for k, d in bad[:6])
+    param_err = max_abs_diff(out["params"], ref["params"])
+    if not param_err < PARAM_ATOL:
+        failed["params"] = f"max abs diff {param_err:.3g} >= {PARAM_ATOL}"
+    if out["skipped"] or ref["skipped"]:
+        failed["skipped"] = f"steps skipped as non-finite: {out['skipped']} (run), {ref['skipped']} (reference)"
+    return failed
+
+
+def assert_parity(out: dict, ref: dict) -> None:
+    """`out` computes the single-device function `ref`: losses and gradient norms at every step,
+    gradients at the initial parameters leaf by leaf, final parameters (tolerances above)."""
+    # The reference must actually have moved its parameters, or the comparison proves nothing.
+    assert max_abs_diff(ref["params"], ref["init"]) > 1e-3
+    failed = parity_failures(out, ref)
+    assert not failed, "parity fails on " + "; ".join(f"{k}: {v}" for k, v in failed.items())

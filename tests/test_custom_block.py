@@ -3,10 +3,9 @@
 import os
 import runpy
 
-import numpy as np
 import pytest
 
-from helpers import max_abs_diff, run_reference, run_steps
+from helpers import assert_parity, run_reference, run_steps
 from jaxpar.config import ConfigError
 from jaxpar.train.step import build
 
@@ -21,10 +20,7 @@ def example():
 def test_registered_block_matches_one_device_on_a_3d_mesh(example):
     cfg = example["config"]((2, 2, 2)).replace(train={"steps": 3})
     got, want = run_steps(cfg), run_reference(cfg)
-    # float32 rounding only, as in test_parity.py / test_pipeline.py (reasons there).
-    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
-    assert max_abs_diff(got["grads"], want["grads"]) < 1e-6
-    assert max_abs_diff(got["params"], want["params"]) < 5e-5
+    assert_parity(got, want)
     # It is the example's block: one norm per layer, no attn_norm / mlp_norm.
     assert set(got["params"]["blocks"]) == {"norm", "attn", "mlp"}
 

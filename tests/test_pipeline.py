@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import max_abs_diff, run_reference, run_steps
+from helpers import assert_parity, max_abs_diff, run_reference, run_steps
 from jaxpar import model
 from jaxpar.config import ConfigError, from_dict, load_config
 from jaxpar.inspect import analyze
@@ -16,11 +16,6 @@ from jaxpar.parallel.pipeline import make_pipeline_loss_and_grads, table_of
 from jaxpar.parallel.schedules import build as build_schedule
 from jaxpar.parallel.schedules import simulate
 from jaxpar.train.step import build, cross_entropy_sum, lower_step
-
-LOSS_RTOL = 1e-5   # float32 rounding (see test_parity.py)
-GRAD_ATOL = 1e-6
-PARAM_ATOL = 5e-5
-
 
 def tiny_pp(arch, stage, schedule, m, data=1, model_=1, zero=0, v=None):
     v = (2 if schedule == "interleaved_1f1b" else 1) if v is None else v
@@ -36,16 +31,11 @@ def tiny_pp(arch, stage, schedule, m, data=1, model_=1, zero=0, v=None):
 _REF = {}
 
 
-def check_parity(cfg, grads=True):
+def check_parity(cfg):
     key = (cfg.model.arch, cfg.train.global_batch, cfg.model.n_layers)
     if key not in _REF:
         _REF[key] = run_reference(cfg.replace(parallel={"microbatches": 1, "zero": 0, "virtual_stages": 1}))
-    ref = _REF[key]
-    out = run_steps(cfg, grads=grads)
-    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=LOSS_RTOL)
-    if grads:
-        assert max_abs_diff(out["grads"], ref["grads"]) < GRAD_ATOL
-    assert max_abs_diff(out["params"], ref["params"]) < PARAM_ATOL
+    assert_parity(run_steps(cfg), _REF[key])
 
 
 # A representative third of the matrix in the default suite; the whole matrix is marked slow.
@@ -64,7 +54,7 @@ def test_pipeline_matches_single_device(arch, stage, schedule, m):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, stage, schedule, m", [c for c in FULL if c not in DEFAULT])
 def test_pipeline_matches_single_device_full_matrix(arch, stage, schedule, m):
-    check_parity(tiny_pp(arch, stage, schedule, m), grads=False)
+    check_parity(tiny_pp(arch, stage, schedule, m))
 
 
 # Pipelining composed with data parallelism, ZeRO and tensor parallelism: tests/test_composition.py.
