@@ -38,9 +38,9 @@ AXES = ("data", "stage", "model")
 # holds no thread, and that device gets one. That is the ZeRO-0 step on a data-only mesh: its
 # collectives are all-reduces over `data` (each layer's gradients inside the backward scan, the
 # rest after it), and XLA combines independent all-reduces over one group into one, so each
-# follows the last (`benchmarks/vs_plain_jax.py` counts them in the compiled step). Tensor
+# follows the last (`jaxpar.inspect.collectives_in_flight` counts them in the compiled step). Tensor
 # parallelism (model-axis collectives beside the data-axis reduction), ZeRO-1/2/3 (one all-gather
-# or reduce-scatter per sharded leaf, not combined: up to 9-22 in flight on small llamas) and
+# or reduce-scatter per sharded leaf, not combined: 5-22 in flight on small llamas) and
 # pipelines can have several, and get the large pool.
 CPU_THREADS_PER_DEVICE = 8
 
