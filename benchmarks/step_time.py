@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"runtime.cpu_devices={args.devices}")
         jax.config.update("jax_platforms", "cpu")  # --devices means simulated CPU devices, even on a GPU host
     cfg = load_config(args.config, overrides)
-    use_cpu_devices(cfg.runtime.cpu_devices)  # before anything below starts a JAX backend
+    use_cpu_devices(cfg.runtime.cpu_devices, cfg)  # before anything below starts a JAX backend
 
     from jaxpar.train.data import make_source
     from jaxpar.train.step import build

@@ -268,6 +268,73 @@ def compiled_device_traffic(compiled, mesh) -> tuple[np.ndarray, np.ndarray]:
     return device_traffic(compiled.as_text(), mesh, _device_order(compiled))
 
 
+def collectives_in_flight(hlo_text: str) -> int:
+    """The most collectives one device's program can have in flight at once: the largest set of
+    collectives none of which depends on another (a while loop or conditional counts as the most its
+    bodies can have). XLA's CPU runtime starts a device's collectives in program order but runs
+    independent ones side by side, each holding a thread of the shared pool while it waits for
+    its group (`jaxpar.mesh.cpu_threads_needed`)."""
+    comps, entry = _split_computations(hlo_text)
+    memo: dict[str, int] = {}
+
+    def width(name: str) -> int:
+        if name in memo:
+            return memo[name]
+        memo[name] = 0  # no recursion through a computation being measured
+        before: dict[str, set[str]] = {}  # instruction -> the collectives it (transitively) depends on
+        weights: dict[str, int] = {}
+        for instr, rest in comps.get(name, []):  # in order: operands come before their users
+            _, opcode = _shape_and_opcode(rest)
+            deps: set[str] = set()
+            for o in _operands(rest):
+                if o in before:
+                    deps |= before[o] | ({o} if o in weights else set())
+            before[instr] = deps
+            kind = opcode.removesuffix("-start")
+            if kind in _KINDS or (opcode == "async-start" and any(k in rest for k in _KINDS)):
+                weights[instr] = 1
+            elif opcode in ("while", "conditional", "call"):
+                inner = max((width(c) for c, *_ in _calls(rest) if c in comps), default=0)
+                if inner:
+                    weights[instr] = inner
+        memo[name] = _max_antichain(weights, before)
+        return memo[name]
+
+    return width(entry) if entry else 0
+
+
+def _operands(rest: str) -> list[str]:
+    """Names of an instruction's operands (and control predecessors)."""
+    _, opcode = _shape_and_opcode(rest)
+    start = rest.find(opcode + "(") + len(opcode) + 1
+    depth, i = 1, start
+    while i < len(rest) and depth:
+        depth += (rest[i] == "(") - (rest[i] == ")")
+        i += 1
+    names = re.findall(r"%([\w.\-]+)", rest[start:i - 1])
+    control = re.search(r"control-predecessors=\{([^}]*)\}", rest)
+    return names + (re.findall(r"%?([\w.\-]+)", control.group(1)) if control else [])
+
+
+def _max_antichain(weights: dict[str, int], before: dict[str, set[str]]) -> int:
+    """Largest total weight of pairwise independent nodes (a node of weight w stands for w
+    independent copies): Dilworth, the copies less a maximum matching of `a before b`."""
+    copies = [(n, k) for n, w in weights.items() for k in range(w)]
+    later = {c: [d for d in copies if c[0] in before[d[0]]] for c in copies}
+    match: dict = {}
+
+    def augment(c, seen) -> bool:
+        for d in later[c]:
+            if d not in seen:
+                seen.add(d)
+                if d not in match or augment(match[d], seen):
+                    match[d] = c
+                    return True
+        return False
+
+    return len(copies) - sum(augment(c, set()) for c in copies)
+
+
 def _split_computations(text: str) -> tuple[dict[str, list[tuple[str, str]]], str | None]:
     """{computation: [(instruction name, text after '=')]} and the ENTRY computation's name."""
     comps: dict[str, list[tuple[str, str]]] = {}
@@ -480,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.set)
         from jaxpar.mesh import use_cpu_devices
-        use_cpu_devices(config.runtime.cpu_devices)  # before anything starts a JAX backend
+        use_cpu_devices(config.runtime.cpu_devices, config)  # before anything starts a JAX backend
         from jaxpar.train import lower_step
         compiled, mesh = lower_step(config)
     except JaxparError as e:  # a mistake the user can fix (ConfigError and kin): no traceback

@@ -12,6 +12,7 @@ Explicit axes gets a clear error.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -25,14 +26,26 @@ AXES = ("data", "stage", "model")
 
 
 # XLA's CPU client runs every device's program on one shared pool of max(cores, devices) threads,
-# and a collective holds its thread until every participant has arrived. Its executor also runs a
-# device's independent collectives side by side (a pipeline tick's stage hop beside an all-reduce of
-# the other action: `optimization_barrier` orders the HLO schedule, not the runtime), so one thread
-# per device is not enough: every thread can end up waiting while a device that they wait for has
-# its next op queued behind them. With 8 devices on 8 threads, interleaved 1F1B on (2, 2, 2) with
-# tensor parallelism hung within 300 steps, idle or loaded; with 32 or 64 threads no pipelined
-# program hung (README, 3D composition). Eight threads per device leave room for every collective
-# a step can have in flight, for 5-20% of step time on 2 cores (measured in README).
+# and a collective holds its thread until every participant has arrived. Its executor starts a
+# device's collectives in program order but runs independent ones side by side (a pipeline tick's
+# stage hop beside an all-reduce of the other action: `optimization_barrier` orders the HLO
+# schedule, not the runtime), so one thread per device is not always enough: every thread can end
+# up waiting while a device that they wait for has its next op queued behind them. With 8 devices
+# on 8 threads, interleaved 1F1B on (2, 2, 2) with tensor parallelism hung within 300 steps, idle or
+# loaded; with 32 or 64 threads no pipelined program hung (README, 3D composition). Eight threads
+# per device leave room for every collective a step can have in flight, for 5-20% of step time on
+# 2 cores (measured in README).
+#
+# A device whose step never has two collectives in flight at once needs no more than one thread
+# per device: the collective that every waiting thread sits in (they all wait in the earliest
+# unfinished one, since every device starts them in the same order) can only lack a device that
+# holds no thread, and that device gets one. That is the ZeRO-0 step on a data-only mesh: its
+# collectives are all-reduces over `data` (each layer's gradients inside the backward scan, the
+# rest after it), and XLA combines independent all-reduces over one group into one, so each
+# follows the last (`jaxpar.inspect.collectives_in_flight` counts them in the compiled step). Tensor
+# parallelism (model-axis collectives beside the data-axis reduction), ZeRO-1/2/3 (one all-gather
+# or reduce-scatter per sharded leaf, not combined: 5-22 in flight on small llamas) and
+# pipelines can have several, and get the large pool.
 CPU_THREADS_PER_DEVICE = 8
 
 
@@ -44,13 +57,30 @@ def cpu_threads() -> int:
     return os.cpu_count() or 1
 
 
-def use_cpu_devices(n: int | None) -> None:
+def one_collective_at_a_time(cfg: Config) -> bool:
+    """Whether every device runs `cfg`'s step with at most one collective in flight: ZeRO-0 on a
+    data-only mesh (no pipeline stages, no tensor parallelism)."""
+    return cfg.mesh.stage == 1 and cfg.mesh.model == 1 and cfg.parallel.zero == 0
+
+
+def cpu_threads_needed(n: int, cfg: Config | None = None) -> int:
+    """Threads the CPU client needs for `n` simulated devices running `cfg`'s step (any step when
+    `cfg` is None): one per device (XLA's own floor) when a device never has two collectives in
+    flight, else `CPU_THREADS_PER_DEVICE` per device."""
+    return n if cfg is not None and one_collective_at_a_time(cfg) else CPU_THREADS_PER_DEVICE * n
+
+
+def use_cpu_devices(n: int | None, cfg: Config | None = None) -> None:
     """Run on `n` simulated CPU devices (even on a GPU host), with a thread pool large enough for
-    their collectives (`CPU_THREADS_PER_DEVICE`). Must run before JAX starts a backend."""
+    their collectives: `cpu_threads_needed(n, cfg)`, for any program when `cfg` is not given (as
+    the test suite does), else for `cfg`'s step. XLA's own pool (max(cores, n) threads) is kept
+    when it is enough: a larger one splits every op into more tasks than 2 cores can run. Must run
+    before JAX starts a backend; a PJRT_NPROC already set is kept."""
     if n is None:
         return
-    if "PJRT_NPROC" not in os.environ:  # read by XLA when the CPU client starts
-        os.environ["PJRT_NPROC"] = str(max(cpu_threads(), CPU_THREADS_PER_DEVICE * n))
+    need = cpu_threads_needed(n, cfg)
+    if "PJRT_NPROC" not in os.environ and need > max(cpu_threads(), n):  # read by XLA when the CPU client starts
+        os.environ["PJRT_NPROC"] = str(need)
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
@@ -137,15 +167,19 @@ def check_mesh(mesh: Mesh) -> None:
                           "jaxpar.mesh.make_mesh(config) or pass axis_types=(AxisType.Auto,) * 3.")
 
 
-def check_cpu_threads(mesh: Mesh) -> None:
-    """Warn, once, when simulated CPU devices share too few threads for their collectives (a hang
-    risk, see `CPU_THREADS_PER_DEVICE`); `use_cpu_devices` sets enough before JAX starts."""
+def check_cpu_threads(mesh: Mesh, cfg: Config | None = None) -> None:
+    """Warn, once, when simulated CPU devices share too few threads for the collectives of `cfg`'s
+    step (of any step without `cfg`): a hang risk, see `cpu_threads_needed`; `use_cpu_devices`
+    sets enough before JAX starts."""
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     n = len(devices)
-    if n < 2 or devices[0].platform != "cpu" or max(cpu_threads(), n) >= CPU_THREADS_PER_DEVICE * n:
+    if cfg is not None:  # the mesh's own sizes, whatever the config's -1 resolved to
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **{a: mesh.shape[a] for a in AXES}))
+    need = cpu_threads_needed(n, cfg)
+    if n < 2 or devices[0].platform != "cpu" or max(cpu_threads(), n) >= need:
         return
     warnings.warn(f"{n} CPU devices share {max(cpu_threads(), n)} threads, and collectives running side by "
-                  f"side can exhaust them and hang; set PJRT_NPROC={CPU_THREADS_PER_DEVICE * n} before JAX "
+                  f"side can exhaust them and hang; set PJRT_NPROC={need} before JAX "
                   "starts (or call jaxpar.mesh.use_cpu_devices).", RuntimeWarning, stacklevel=3)
 
 

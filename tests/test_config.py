@@ -5,6 +5,7 @@ value and says how to fix it; these tests run in-process (the CLI's handling is 
 """
 
 import dataclasses
+import os
 import warnings
 from pathlib import Path
 
@@ -306,6 +307,53 @@ def test_too_few_threads_for_simulated_devices_is_a_warning(monkeypatch):
         warnings.simplefilter("error")
         check_cpu_threads(mesh)
         check_cpu_threads(make_mesh(load_config(None, ["mesh.data=1"]), jax.devices()[:1]))
+
+
+@pytest.mark.parametrize("arch, sections, one_at_a_time", [
+    ("llama", {"mesh": {"data": 8}}, True),  # ZeRO-0, data only: XLA's own pool (one thread per device)
+    ("gpt2", {"mesh": {"data": 8}, "parallel": {"microbatches": 2}, "train": {"global_batch": 16}}, True),
+    # ^ tied embedding, accumulation
+    ("llama", {"mesh": {"data": 8}, "parallel": {"zero": 1, "zero_min_elements": 1}}, False),  # a gather per leaf
+    ("llama", {"mesh": {"data": 4, "model": 2}, "parallel": {"sequence_parallel": True}}, False),
+    ("llama", {"mesh": {"data": 4, "stage": 2}, "parallel": {"microbatches": 2}}, False),
+])
+def test_cpu_pool_is_sized_by_the_collectives_a_step_can_have_in_flight(tiny, arch, sections, one_at_a_time):
+    # One thread per device is enough only for a step whose devices never have two collectives in
+    # flight (jaxpar/mesh.py); the rule is read from the config, before JAX starts, so check it
+    # against the compiled step.
+    from jaxpar.inspect import collectives_in_flight
+    from jaxpar.mesh import CPU_THREADS_PER_DEVICE, cpu_threads_needed
+    from jaxpar.train.step import lower_step
+
+    cfg = tiny(arch, **sections)
+    assert cpu_threads_needed(8) == CPU_THREADS_PER_DEVICE * 8  # without a config: any program's pool
+    assert cpu_threads_needed(8, cfg) == (8 if one_at_a_time else CPU_THREADS_PER_DEVICE * 8)
+    compiled, _ = lower_step(cfg)
+    in_flight = collectives_in_flight(compiled.as_text())
+    assert (in_flight == 1) if one_at_a_time else (in_flight > 1 or sections["mesh"].get("stage", 1) > 1), in_flight
+
+
+def test_use_cpu_devices_keeps_xlas_pool_for_a_data_only_zero0_step(monkeypatch):
+    from jaxpar.mesh import use_cpu_devices
+
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    use_cpu_devices(8, load_config(None, ["mesh.data=8"]))  # the backend is up with 8 devices: a no-op there
+    assert "PJRT_NPROC" not in os.environ
+    use_cpu_devices(8, load_config(None, ["mesh.data=4", "mesh.model=2"]))
+    assert os.environ["PJRT_NPROC"] == "64"
+    monkeypatch.setenv("PJRT_NPROC", "12")  # a pool set by the user is kept
+    use_cpu_devices(8)
+    assert os.environ["PJRT_NPROC"] == "12"
+    # build's check agrees: 8 threads are enough for this step, not for a pipelined one.
+    from jaxpar.mesh import check_cpu_threads
+    monkeypatch.setenv("PJRT_NPROC", "8")
+    data_only = load_config(None, ["mesh.data=-1"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_cpu_threads(make_mesh(data_only), data_only)
+    piped = load_config(None, ["mesh.data=4", "mesh.stage=2"])
+    with pytest.warns(RuntimeWarning, match="PJRT_NPROC=64"):
+        check_cpu_threads(make_mesh(piped), piped)
 
 
 def test_mesh_with_explicit_sizes_covering_the_devices():

@@ -241,3 +241,19 @@ def test_traffic_filters_by_kind_exact_axes_and_spanned_axis(mesh):
     assert report.traffic(spans="data") == 48
     assert report.traffic(kind=("all-gather", "all-reduce"), spans="model") == 16
     assert report.table().row_count == 3
+
+
+def _in_flight(mesh, body, out_specs=P("data", "model")):
+    from jaxpar.inspect import collectives_in_flight
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("data", "model"), out_specs=out_specs)
+    return collectives_in_flight(jax.jit(f).lower(jnp.ones((8, 16), jnp.float32)).compile().as_text())
+
+
+def test_collectives_in_flight_counts_independent_ones_not_chained_ones(mesh):
+    # Two reductions over different groups (not combinable) of the same input: both can wait at once.
+    assert _in_flight(mesh, lambda x: lax.psum(x, "model") + lax.psum(x * 2, "data")) == 2
+    # The second reduces the first's result: one at a time.
+    assert _in_flight(mesh, lambda x: lax.psum(lax.psum(x, "model") * 2, "data")) == 1
+    # A loop of reductions counts as its body's, beside an independent reduction outside it.
+    scan = lambda x: lax.scan(lambda c, _: (c + lax.psum(c, "model"), None), x, None, length=3)[0]  # noqa: E731
+    assert _in_flight(mesh, lambda x: scan(x) + lax.all_gather(x, "data", tiled=True)[:4]) == 2

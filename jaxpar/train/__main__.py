@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         from jaxpar.mesh import make_mesh, start_processes, use_cpu_devices
 
         start_processes(cfg)  # a multi-process run joins before anything starts a JAX backend
-        use_cpu_devices(cfg.runtime.cpu_devices)
+        use_cpu_devices(cfg.runtime.cpu_devices, cfg)
         import jax
 
         from jaxpar.train.data import make_source

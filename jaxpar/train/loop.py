@@ -141,7 +141,7 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
     `callback` is called with each record as it is logged (the CLI's progress bar).
     """
     start_processes(cfg)
-    use_cpu_devices(cfg.runtime.cpu_devices)
+    use_cpu_devices(cfg.runtime.cpu_devices, cfg)
     tr = cfg.train
     # Everything a user can get wrong is checked here, before anything is written or compiled.
     check_run_dir(cfg)

@@ -34,8 +34,8 @@ class MasterState(NamedTuple):
     inner: Any
 
 
-def with_master_weights(inner: optax.GradientTransformation, dtype: Any = jnp.float32
-                        ) -> optax.GradientTransformation:
+def with_master_weights(inner: optax.GradientTransformationExtraArgs, dtype: Any = jnp.float32
+                        ) -> optax.GradientTransformationExtraArgs:
     """`inner` run on a `dtype` master copy of the parameters, held in the optimizer state.
 
     `init(params)` upcasts the (16-bit) parameters into the master; `update(grads, state)` runs
@@ -48,12 +48,12 @@ def with_master_weights(inner: optax.GradientTransformation, dtype: Any = jnp.fl
         master = jax.tree.map(lambda p: p.astype(dtype), params)
         return MasterState(master, inner.init(master))
 
-    def update(grads, state, params=None):
+    def update(grads, state, params=None, **extra_args):
         del params  # the master is the parameter inner updates
-        updates, inner_state = inner.update(grads, state.inner, state.master)
+        updates, inner_state = inner.update(grads, state.inner, state.master, **extra_args)
         return updates, MasterState(optax.apply_updates(state.master, updates), inner_state)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def stored_params(opt_state: MasterState, like: Any) -> Any:
@@ -61,12 +61,28 @@ def stored_params(opt_state: MasterState, like: Any) -> Any:
     return jax.tree.map(lambda m, p: m.astype(p.dtype), opt_state.master, like)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """`optax.clip_by_global_norm` (same trigger, the same factor up to rounding) as one scalar
+    factor on the gradient. optax selects per element between `g` and `g / norm * max_norm`, which
+    XLA materialises as a second gradient that every Adam fusion reads besides `g`. The update
+    takes the norm as the extra arg `grad_norm` when the caller has it (the train step does, for
+    its NaN check), so that it is not computed twice."""
+    def update(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
 def make_optimizer(tr: TrainConfig, names: Any) -> optax.GradientTransformation:
     """AdamW over a parameter tree whose logical dim names are `names` (on a float32 master copy
     when `tr.master_weights` is set)."""
     adamw = optax.adamw(lr_schedule(tr), b1=tr.b1, b2=tr.b2, weight_decay=tr.weight_decay,
                         mask=decay_mask(names))
-    opt = optax.chain(optax.clip_by_global_norm(tr.grad_clip), adamw) if tr.grad_clip > 0 else adamw
+    opt = (optax.chain(clip_by_global_norm(tr.grad_clip), adamw) if tr.grad_clip > 0
+           else optax.with_extra_args_support(adamw))
     if tr.master_weights != "none":
         return with_master_weights(opt, jnp.dtype(tr.master_weights))
     return opt

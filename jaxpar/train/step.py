@@ -112,7 +112,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     validate(cfg)  # a Config built in Python (from_dict, replace) gets the same checks as a file
     mesh = make_mesh(cfg) if mesh is None else mesh
     check_mesh(mesh)
-    check_cpu_threads(mesh)
+    check_cpu_threads(mesh, cfg)
     check_sizes(cfg, tuple(mesh.shape[a] for a in AXES))
     platform = mesh.devices.flat[0].platform
     if cfg.model.attention == "cudnn" and platform != "gpu":
@@ -174,17 +174,19 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         loss, g = loss_and_grads(for_grads(params), batch)
         return loss, grads_for_optimizer(g)
 
-    def step(state: TrainState, batch: jax.Array):
-        loss, g = grads_at(state.params, batch)
-        updates, opt_state = optimizer.update(g, state.opt_state, state.params)
+    def update(params_and_opt_state, g, grad_norm):
+        params, opt_state = params_and_opt_state
+        updates, opt_state = optimizer.update(g, opt_state, params, grad_norm=grad_norm)
         # ZeRO-1/2: each device computes the update of its optimizer-state shard only; the new
         # parameters are then all-gathered to their (replicated) storage layout by out_shardings.
         updates = jax.lax.with_sharding_constraint(updates, moment_shardings)
         if master:  # the updated master (a moment-layout shard), cast to the stored dtype
             # Cast on the shard, so that out_shardings all-gathers 16-bit parameters, not the master.
-            params = jax.lax.with_sharding_constraint(stored_params(opt_state, state.params), moment_shardings)
-        else:
-            params = optax.apply_updates(state.params, updates)
+            return jax.lax.with_sharding_constraint(stored_params(opt_state, params), moment_shardings), opt_state
+        return optax.apply_updates(params, updates), opt_state
+
+    def step(state: TrainState, batch: jax.Array):
+        loss, g = grads_at(state.params, batch)
         grad_norm = optax.tree.norm(g)
         # A non-finite loss or gradient drops the update (train.on_nan). With `stop`, the first such
         # step also freezes the state (step count included), so what the loop saves when it sees the
@@ -196,8 +198,10 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
             next_step = jnp.where(ok, state.step + 1, state.step)
         else:
             ok, next_step = finite, state.step + 1
-        params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
-                                         (params, opt_state), (state.params, state.opt_state))
+        # A `cond`, not a `where(ok, new, old)` over the state: the select keeps the old moments
+        # alive beside the new ones, so XLA copies every donated moment (+16 bytes per parameter
+        # of memory traffic a step); the branch updates them in place, as a plain step does.
+        params, opt_state = jax.lax.cond(ok, update, lambda s, *_: s, (state.params, state.opt_state), g, grad_norm)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "skipped_steps": skipped}
         return TrainState(next_step, params, opt_state, skipped), metrics
 
