@@ -209,6 +209,32 @@ def check_compatible_params(meta: dict, where: str, params_abstract: Any) -> Non
                               "have; resume with the model section it was saved with or use a new train.run_dir.")
 
 
+def _save_registry(replica_parallel: bool = False):
+    """Orbax's type handlers, but jax.Arrays saved without replica parallelism (`replica_parallel`:
+    orbax's CPU default, for benchmarks/checkpoint.py's comparison).
+
+    Replica-parallel saving (orbax's default on CPU and TPU; off on GPU) splits each replicated
+    array into one slice per replica, each cut by a `jit(slice)` that XLA compiles once per array
+    shape, slice and device and that jax keeps cached for the rest of the process: on 8 CPU devices
+    the default config's first save compiled 128 of them, which held ~75 MiB of resident memory
+    for good (benchmarks/checkpoint.py). Without it each replicated array is written whole by its
+    first replica; the files and their format are the same."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    th = ocp.type_handlers
+    try:  # the per-array metadata file orbax's default handler writes (array_metadatas/)
+        from orbax.checkpoint._src.metadata import array_metadata_store
+
+        store = array_metadata_store.Store()
+    except (ImportError, AttributeError):
+        store = None
+    return th.create_type_handler_registry(
+        (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
+        (np.ndarray, th.NumpyHandler()),
+        (jax.Array, th.ArrayHandler(use_replica_parallel=replica_parallel, array_metadata_store=store)))
+
+
 class Checkpoints:
     """Saving and restoring the train state of one run (one `Program`)."""
 
@@ -257,7 +283,10 @@ class Checkpoints:
             tr = self.cfg.train
             options = ocp.CheckpointManagerOptions(max_to_keep=tr.keep_checkpoints, create=True,
                                                    enable_async_checkpointing=tr.async_checkpoint)
-            self._manager = ocp.CheckpointManager(self.dir, options=options)
+            self._manager = ocp.CheckpointManager(
+                self.dir, options=options,
+                item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_save_registry()),
+                               "meta": ocp.JsonCheckpointHandler()})
         return self._manager
 
     def save(self, state, mesh) -> str:
@@ -272,7 +301,7 @@ class Checkpoints:
                 "param_shapes": param_shapes(state.params), "opt_structure": str(jax.tree.structure(state.opt_state)),
                 "mesh": {a: int(s) for a, s in mesh.shape.items()}, "process_count": jax.process_count(),
                 "jaxpar_version": _version()}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_as_dict(state)),
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_as_dict(state)),
                                                         meta=ocp.args.JsonSave(meta)))
         self.last_saved = step
         return path
