@@ -315,7 +315,7 @@ def test_damage_classification():
 
 def test_saving_compiles_nothing(tiny, tmp_path):
     """Orbax's replica-parallel saving cut every replicated array with a `jit(slice)` per shape,
-    slice and device, whose executables jax then kept for the rest of the process (~75 MiB after
+    slice and device, whose executables jax then kept for the rest of the process (~100 MiB after
     the default config's first save, benchmarks/checkpoint.py). jaxpar's saver compiles nothing."""
     from jaxpar.train.step import build
 

@@ -18,18 +18,22 @@ restore, is moved aside to `<step>.corrupt` with a warning, and the previous one
 Only damage is damage (`damage()`): a checkpoint is moved aside when reading it fails because of
 its files, namely
 - a file of it is missing (FileNotFoundError naming a path inside it, or tensorstore NOT_FOUND);
-- a file is truncated or its bytes do not decode (tensorstore OUT_OF_RANGE or DATA_LOSS, a JSON,
-  UTF-8 or msgpack decode error);
+- a file is truncated or its bytes do not decode (tensorstore OUT_OF_RANGE or DATA_LOSS naming a
+  path inside it; a JSON, UTF-8 or msgpack decode error);
 - its format does not hold: `meta/metadata` unreadable or not jaxpar's, `state/_METADATA` or the
   OCDBT manifest missing or unreadable (`DamagedCheckpoint`).
 Anything else propagates unchanged and renames nothing: out of memory (MemoryError, XLA's
 RESOURCE_EXHAUSTED), a sharding or shape error of the restoring program, a checkpoint of another
-model (CheckpointError), and every other OSError, EIO included: an I/O error is as often a
-network file system's transient fault as a bad disk, jaxpar cannot tell them apart, and a
+model (CheckpointError), and every other OSError, EIO and ESTALE included: an I/O error may be a
+network file system's transient fault as well as a bad disk, jaxpar cannot tell them apart, and a
 checkpoint wrongly moved aside costs the run its progress, while a wrongly kept one costs a rerun.
 With several processes each one classifies its own outcome and all of them agree (an allgather)
 before anything is renamed: one failure that is not damage stops every process, damage seen by any
 process moves the checkpoint aside on all of them, and no process waits for another that gave up.
+
+Saving writes jax.Arrays without orbax's replica parallelism (`_save_registry`: its slicing
+programs stayed compiled for the rest of the run) and hands the host memory a finished save freed
+back to the OS (`release_host_memory`); README's "Memory of saving" has the measurements.
 """
 
 from __future__ import annotations
@@ -231,7 +235,7 @@ def _save_registry(replica_parallel: bool = False):
     Replica-parallel saving (orbax's default on CPU and TPU; off on GPU) splits each replicated
     array into one slice per replica, each cut by a `jit(slice)` that XLA compiles once per array
     shape, slice and device and that jax keeps cached for the rest of the process: on 8 CPU devices
-    the default config's first save compiled 128 of them, which held ~75 MiB of resident memory
+    the default config's first save compiled 64 of them, which held ~100 MiB of resident memory
     for good (benchmarks/checkpoint.py). Without it each replicated array is written whole by its
     first replica; the files and their format are the same."""
     import numpy as np
