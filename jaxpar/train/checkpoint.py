@@ -18,18 +18,22 @@ restore, is moved aside to `<step>.corrupt` with a warning, and the previous one
 Only damage is damage (`damage()`): a checkpoint is moved aside when reading it fails because of
 its files, namely
 - a file of it is missing (FileNotFoundError naming a path inside it, or tensorstore NOT_FOUND);
-- a file is truncated or its bytes do not decode (tensorstore OUT_OF_RANGE or DATA_LOSS, a JSON,
-  UTF-8 or msgpack decode error);
+- a file is truncated or its bytes do not decode (tensorstore OUT_OF_RANGE or DATA_LOSS naming a
+  path inside it; a JSON, UTF-8 or msgpack decode error);
 - its format does not hold: `meta/metadata` unreadable or not jaxpar's, `state/_METADATA` or the
   OCDBT manifest missing or unreadable (`DamagedCheckpoint`).
 Anything else propagates unchanged and renames nothing: out of memory (MemoryError, XLA's
 RESOURCE_EXHAUSTED), a sharding or shape error of the restoring program, a checkpoint of another
-model (CheckpointError), and every other OSError, EIO included: an I/O error is as often a
-network file system's transient fault as a bad disk, jaxpar cannot tell them apart, and a
+model (CheckpointError), and every other OSError, EIO and ESTALE included: an I/O error may be a
+network file system's transient fault as well as a bad disk, jaxpar cannot tell them apart, and a
 checkpoint wrongly moved aside costs the run its progress, while a wrongly kept one costs a rerun.
 With several processes each one classifies its own outcome and all of them agree (an allgather)
 before anything is renamed: one failure that is not damage stops every process, damage seen by any
 process moves the checkpoint aside on all of them, and no process waits for another that gave up.
+
+Saving writes jax.Arrays without orbax's replica parallelism (`_save_registry`: its slicing
+programs stayed compiled for the rest of the run) and hands the host memory a finished save freed
+back to the OS (`release_host_memory`); README's "Memory of saving" has the measurements.
 """
 
 from __future__ import annotations
@@ -209,6 +213,47 @@ def check_compatible_params(meta: dict, where: str, params_abstract: Any) -> Non
                               "have; resume with the model section it was saved with or use a new train.run_dir.")
 
 
+def release_host_memory() -> None:
+    """Hand the host memory that a finished save freed back to the OS (glibc's `malloc_trim`).
+
+    The host copies of the arrays are freed when the files are committed, but glibc keeps the
+    pages of its per-thread arenas (orbax copies and writes from background threads) for later
+    allocations, so they would stay in the process's resident memory until the next save. A no-op
+    where the C library is not glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _save_registry(replica_parallel: bool = False):
+    """Orbax's type handlers, but jax.Arrays saved without replica parallelism (`replica_parallel`:
+    orbax's CPU default, for benchmarks/checkpoint.py's comparison).
+
+    Replica-parallel saving (orbax's default on CPU and TPU; off on GPU) splits each replicated
+    array into one slice per replica, each cut by a `jit(slice)` that XLA compiles once per array
+    shape, slice and device and that jax keeps cached for the rest of the process: on 8 CPU devices
+    the default config's first save compiled 64 of them, which held ~100 MiB of resident memory
+    for good (benchmarks/checkpoint.py). Without it each replicated array is written whole by its
+    first replica; the files and their format are the same."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    th = ocp.type_handlers
+    try:  # the per-array metadata file orbax's default handler writes (array_metadatas/)
+        from orbax.checkpoint._src.metadata import array_metadata_store
+
+        store = array_metadata_store.Store()
+    except (ImportError, AttributeError):
+        store = None
+    return th.create_type_handler_registry(
+        (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
+        (np.ndarray, th.NumpyHandler()),
+        (jax.Array, th.ArrayHandler(use_replica_parallel=replica_parallel, array_metadata_store=store)))
+
+
 class Checkpoints:
     """Saving and restoring the train state of one run (one `Program`)."""
 
@@ -255,9 +300,14 @@ class Checkpoints:
             import orbax.checkpoint as ocp
 
             tr = self.cfg.train
-            options = ocp.CheckpointManagerOptions(max_to_keep=tr.keep_checkpoints, create=True,
-                                                   enable_async_checkpointing=tr.async_checkpoint)
-            self._manager = ocp.CheckpointManager(self.dir, options=options)
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=tr.keep_checkpoints, create=True, enable_async_checkpointing=tr.async_checkpoint,
+                async_options=ocp.AsyncOptions(post_finalization_callback=release_host_memory)
+                if tr.async_checkpoint else None)
+            self._manager = ocp.CheckpointManager(
+                self.dir, options=options,
+                item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_save_registry()),
+                               "meta": ocp.JsonCheckpointHandler()})
         return self._manager
 
     def save(self, state, mesh) -> str:
@@ -276,9 +326,11 @@ class Checkpoints:
             from jaxpar.parallel.naive import canonical_opt_state_on
 
             state = state._replace(opt_state=canonical_opt_state_on(state.opt_state, mesh))
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_as_dict(state)),
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_as_dict(state)),
                                                         meta=ocp.args.JsonSave(meta)))
         self.last_saved = step
+        if not self.cfg.train.async_checkpoint:
+            release_host_memory()
         return path
 
     def wait(self) -> None:
