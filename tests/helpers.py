@@ -130,3 +130,24 @@ def assert_parity(out: dict, ref: dict) -> None:
     assert max_abs_diff(ref["params"], ref["init"]) > 1e-3
     failed = parity_failures(out, ref)
     assert not failed, "parity fails on " + "; ".join(f"{k}: {v}" for k, v in failed.items())
+
+
+def run_with_loss_and_grads(cfg: Config) -> dict:
+    """Like `run_steps`, for a step whose optimizer state is not plain Adam (naive data
+    parallelism's per-rank slots, master weights): the gradients at the initial parameters come
+    from `program.loss_and_grads` (one more compile) instead of Adam's first moment. Returns the
+    losses and gradient norms of every step, those gradients, the final state (on the host) and
+    its parameters."""
+    program = build(cfg, make_mesh(cfg, jax.devices()[:cfg.mesh.data * cfg.mesh.stage * cfg.mesh.model]))
+    source = make_source(cfg)
+    state = program.init(jax.random.key(cfg.train.seed))
+    batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(cfg.train.steps)]
+    grads = jax.device_get(program.loss_and_grads(state.params, batches[0])[1])
+    losses, norms = [], []
+    for batch in batches:
+        state, metrics = program.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    state = jax.device_get(state)
+    return {"losses": np.array(losses), "grad_norms": np.array(norms), "grads": grads, "state": state,
+            "params": state.params}

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import run_with_loss_and_grads
 from jaxpar.config import ConfigError, from_dict, validate
 from jaxpar.mesh import make_mesh
 from jaxpar.train.data import batch_at, make_source
@@ -40,21 +41,8 @@ def tiny(arch="llama", mesh=(1, 1, 1), steps=3, **parallel):
     })
 
 
-def run(cfg):
-    """Losses and grad norms of every step, gradients at the initial parameters, final state."""
-    devices = jax.devices()[:cfg.mesh.data * cfg.mesh.stage * cfg.mesh.model]
-    program = build(cfg, make_mesh(cfg, devices))
-    source = make_source(cfg)
-    state = program.init(jax.random.key(cfg.train.seed))
-    batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(cfg.train.steps)]
-    grads = jax.device_get(program.loss_and_grads(state.params, batches[0])[1])
-    losses, norms = [], []
-    for batch in batches:
-        state, metrics = program.step(state, batch)
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
-    return {"losses": np.array(losses), "grad_norms": np.array(norms), "grads": grads,
-            "state": jax.device_get(state)}
+def run(cfg) -> dict:
+    return run_with_loss_and_grads(cfg)
 
 
 _REF = {}

@@ -12,14 +12,12 @@ import numpy as np
 import pytest
 
 import jaxpar
-from helpers import max_abs_diff
+from helpers import max_abs_diff, run_with_loss_and_grads
 from jaxpar import model
 from jaxpar.config import ConfigError, from_dict, validate
 from jaxpar.inspect import _split_computations, analyze, compiled_device_traffic
-from jaxpar.mesh import make_mesh
-from jaxpar.train.data import batch_at, make_source
 from jaxpar.train import checkpoint as ckpt_lib
-from jaxpar.train.step import build, lower_step
+from jaxpar.train.step import lower_step
 
 # float32 rounding only: the shards' gradients are added in another order than one device's
 # batch reduction (test_parity.py's figures).
@@ -40,21 +38,7 @@ def tiny(mode="naive", data=8, microbatches=1, arch="llama", **parallel):
 
 
 def run(cfg) -> dict:
-    """Losses and gradient norms of every step (the step's own metrics), gradients at the initial
-    parameters on the first batch, final parameters."""
-    n = cfg.mesh.data
-    program = build(cfg, make_mesh(cfg, jax.devices()[:n]))
-    source = make_source(cfg)
-    state = program.init(jax.random.key(cfg.train.seed))
-    batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(cfg.train.steps)]
-    grads = jax.device_get(program.loss_and_grads(state.params, batches[0])[1])
-    losses, norms = [], []
-    for batch in batches:
-        state, metrics = program.step(state, batch)
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
-    return {"losses": np.array(losses), "norms": np.array(norms), "grads": grads,
-            "params": jax.device_get(state.params), "state": state}
+    return run_with_loss_and_grads(cfg)
 
 
 _REF = {}
@@ -70,7 +54,7 @@ def reference(arch="llama"):
 def test_naive_matches_single_device(data, microbatches, arch):
     ref, out = reference(arch), run(tiny("naive", data, microbatches, arch))
     np.testing.assert_allclose(out["losses"], ref["losses"], rtol=LOSS_RTOL)
-    np.testing.assert_allclose(out["norms"], ref["norms"], rtol=NORM_RTOL)
+    np.testing.assert_allclose(out["grad_norms"], ref["grad_norms"], rtol=NORM_RTOL)
     for (path, g), want in zip(jax.tree_util.tree_flatten_with_path(out["grads"])[0], jax.tree.leaves(ref["grads"])):
         assert np.max(np.abs(g - want)) < GRAD_ATOL, jax.tree_util.keystr(path)
     assert max_abs_diff(out["params"], ref["params"]) < PARAM_ATOL
