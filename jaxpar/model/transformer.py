@@ -114,7 +114,11 @@ def _block_names(cfg: ModelConfig) -> Any:
 # Functional API over plain parameter dicts
 
 
-@functools.lru_cache(maxsize=32)
+# Unbounded: the pipeline builds its chunk model's abstract state before tracing (inside a
+# shard_map's abstract mesh nnx.eval_shape cannot place the `layers` spec); an evicted entry
+# would be rebuilt there and fail (seen once a suite had compiled more than 32 model configs).
+# Each entry is a few ShapeDtypeStructs.
+@functools.lru_cache(maxsize=None)
 def _abstract(cfg: ModelConfig):
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     return nnx.split(model)
@@ -130,7 +134,7 @@ def param_shapes(cfg: ModelConfig) -> Params:
     return nnx.to_pure_dict(_abstract(cfg)[1])
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=None)
 def param_names(cfg: ModelConfig) -> Params:
     """The parameter tree with a tuple of logical dim names at each leaf, e.g. ("layers", "embed", "mlp")."""
     specs = nnx.get_partition_spec(_abstract(cfg)[1])
