@@ -86,6 +86,16 @@ def _gather_cast_bwd(dim, dtype, stored, _, ct):
 _gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)
 
 
+def gather_at_use(shard: jax.Array, dim: int | None, cast) -> jax.Array:
+    """ZeRO-3's use of a parameter: a data shard (`dim` not None) all-gathered along `dim`, in the
+    compute dtype `cast` when given (`_gather_cast`); a replicated leaf only cast."""
+    if dim is None:
+        return _cast(shard, cast)
+    if cast is None:
+        return jax.lax.all_gather(shard, DATA, axis=dim, tiled=True)
+    return _gather_cast(shard, dim, cast, shard.dtype)
+
+
 def hand_out(layout: Layout, upcast: bool = False) -> Callable:
     """The `use_params` hook inside a shard_map manual over `data`: a `Handout` (ZeRO-1/2) is
     reduce-scattered at use, a data shard (ZeRO-3) all-gathered at use, anything else cast to
@@ -97,19 +107,11 @@ def hand_out(layout: Layout, upcast: bool = False) -> Callable:
             return _cast(_scatter_at_use(x.full, x.seed, layout.gather_dim(names, x.seed.shape)), cast)
         if DATA in varying_axes(x):  # a ZeRO-3 shard, or a value already made data-varying
             dim = layout.gather_dims.get((tuple(names), tuple(x.shape))) if layout.zero == 3 else None
-            if dim is None:
-                return _cast(x, cast)
-            if cast is None:
-                return jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
-            return _gather_cast(x, dim, cast, x.dtype)
+            return gather_at_use(x, dim, cast)
         if upcast:
             x = x.astype(jnp.float32)
         return _cast(_varying(x), cast)
     return use
-
-
-def _cast_only(x, names, cast) -> jax.Array:
-    return _cast(x, cast)
 
 
 def manual_region(cfg: Config, mesh: Mesh, *always: str) -> tuple[set[str], Rules, TensorParallel | None]:
@@ -157,7 +159,8 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     manual, rules, tp = manual_region(cfg, mesh)
     at_use = dp and reduce_at_use(cfg, zero)
     master = cfg.train.master_weights != "none"
-    param_fn = hand_out(layout, upcast=master) if at_use else _cast_only
+    # Otherwise no hook: `use_params` still hands matrices out in the compute dtype (`recast`).
+    param_fn = hand_out(layout, upcast=master) if at_use else None
     # ZeRO-1/2 leaves sharded over data: handed out with a seed when reduced at use.
     scatter = jax.tree.map(lambda dim: at_use and zero in (1, 2) and dim is not None, layout.zero_dims,
                            is_leaf=lambda x: x is None or isinstance(x, int))

@@ -45,8 +45,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.parallel.zero import Layout
-from jaxpar.parallel.gradients import _gather_cast, _seed, hand_out, manual_region
-from jaxpar.sharding import Handout, activation_rules, recast, vary, zeros_like_varying
+from jaxpar.parallel.gradients import _seed, gather_at_use, hand_out, manual_region
+from jaxpar.sharding import Handout, activation_rules, vary, zeros_like_varying
 
 DATA, STAGE, MODEL = "data", "stage", "model"
 
@@ -320,12 +320,7 @@ def _gather_at_use(params, names, zero_dims) -> Callable:
                          f"{sorted(ambiguous)}")
 
     def use(x: jax.Array, n: tuple[str, ...], cast) -> jax.Array:
-        dim = sharded.get((tuple(n), tuple(x.shape)))
-        if dim is None:
-            return x if cast is None else recast(x, cast)
-        if cast is None:
-            return jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
-        return _gather_cast(x, dim, cast, x.dtype)  # in the compute dtype, reduce-scattered in the stored one
+        return gather_at_use(x, sharded.get((tuple(n), tuple(x.shape))), cast)
     return use
 
 
