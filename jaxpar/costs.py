@@ -320,7 +320,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # The last stage's chunk runs the head and the loss too: the most any stage saves.
         act = _activations(chunk, rows, t, sp, par.remat, True, flash)
         msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * _BYTES[m.dtype]
-        buffers = v * (table.stash + table.fwd_slots + table.bwd_slots) * msg
+        buffers = (table.stash + table.fwd_slots + table.bwd_slots) * msg
         grads = st["local"] * (f32 + g)
     grads += upcast
     logits = rows * m.seq_len * m.padded_vocab // t * 4

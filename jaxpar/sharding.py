@@ -130,6 +130,8 @@ def zeros_like_varying(x: jax.Array) -> jax.Array:
 # under ZeRO-3 they are all-gathered copies, gathered again in the backward pass instead; with a
 # compute dtype narrower than the stored one they are casts, cast again instead.
 PARAMS_TAG = "jaxpar_params"
+# The output of a weight matmul (`jaxpar.model.layers.linear`): saved by the `dots` remat policy.
+DOT_TAG = "jaxpar_dot"
 
 # A hook that hands a parameter to the model: `(x, logical names, dtype) -> value`, where dtype is
 # the compute dtype the value must come out in (None: as stored). `x` is an array, or a `Handout`.

@@ -8,14 +8,16 @@ D embed, N heads, K kv_heads, H head_dim, F mlp, V vocab.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.sharding import constrain, enter_tp, exit_tp, local_kv_heads
+from jaxpar.sharding import DOT_TAG, constrain, enter_tp, exit_tp, local_kv_heads, varying_axes, vary
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str, ...], dtype, std: float | None = None,
@@ -31,6 +33,55 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str, ...],
     else:
         value = std * jax.random.normal(rngs.params(), shape, dtype)
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def linear(x: jax.Array, w: jax.Array, k: int = 1) -> jax.Array:
+    """`x [..., C] @ w [C, O...]`: x's last `k` dims contract with w's first `k` (a weight matmul).
+
+    The same value and gradients as the einsum. On XLA:CPU the weight gradient is computed from a
+    materialised transpose of the input, `x^T [C, tokens] @ g [tokens, O]`: the form XLA:CPU sends
+    to YNNPACK. Left to itself, its simplifier folds the transpose into the dot, and a dot that
+    contracts its left operand's major dim falls back to Eigen (measured: ~20% of an MLP's
+    backward time on this project's 2-core machine; `benchmarks/vs_plain_jax.py`). On other
+    backends (cuBLAS takes transposed operands at no cost) it is the plain einsum. The output is
+    named `DOT_TAG`, so the `dots` remat policy saves it as it saves a plain dot's.
+    """
+    if jax.default_backend() != "cpu":
+        return jnp.einsum(x, list(range(x.ndim)), w, [*range(x.ndim - k, x.ndim), *range(x.ndim, x.ndim + w.ndim - k)])
+    # The custom backward returns each cotangent with its input's manual-axis type: make both
+    # inputs vary over the same axes first (the pcast's own transpose then reduces, as autodiff of
+    # the einsum would have).
+    axes = (*varying_axes(x), *varying_axes(w))
+    x, w = vary(x, axes), vary(w, axes)
+    return checkpoint_name(_linear(x, w, k), DOT_TAG)
+
+
+def _flat(x: jax.Array, w: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    c = math.prod(w.shape[:k])
+    return x.reshape(-1, c), w.reshape(c, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _linear(x, w, k):
+    x2, w2 = _flat(x, w, k)
+    return (x2 @ w2).reshape(*x.shape[:x.ndim - k], *w.shape[k:])
+
+
+def _linear_fwd(x, w, k):
+    return _linear(x, w, k), (x, w)
+
+
+def _linear_bwd(k, res, g):
+    x, w = res
+    x2, w2 = _flat(x, w, k)
+    g2 = g.reshape(x2.shape[0], w2.shape[1])
+    dx = (g2 @ w2.T).reshape(x.shape)
+    # The barrier keeps the transpose a copy (see `linear`); it costs one pass over x.
+    dw = (jax.lax.optimization_barrier(x2.T) @ g2).reshape(w.shape)
+    return dx, dw
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 class RMSNorm(nnx.Module):
@@ -103,9 +154,9 @@ class Attention(nnx.Module):
     def project_qkv(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries [B, T, N, H], keys and values [B, T, K, H] (biases added, RoPE not yet applied)."""
         dt = self.dtype
-        q_BxTxNxH = jnp.einsum("btd,dnh->btnh", x_BxTxD, self.wq[...].astype(dt))
-        k_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.wk[...].astype(dt))
-        v_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.wv[...].astype(dt))
+        q_BxTxNxH = linear(x_BxTxD, self.wq[...].astype(dt))
+        k_BxTxKxH = linear(x_BxTxD, self.wk[...].astype(dt))
+        v_BxTxKxH = linear(x_BxTxD, self.wv[...].astype(dt))
         if self.arch == "gpt2":
             q_BxTxNxH += self.bq[...].astype(dt)
             k_BxTxKxH += self.bk[...].astype(dt)
@@ -128,7 +179,7 @@ class Attention(nnx.Module):
                                                  implementation=self.implementation)
         o_BxTxNxH = constrain(o_BxTxNxH, ("batch", "seq", "heads", "head_dim"))
         # Row-parallel: each model rank holds a partial sum until `exit_tp`; the bias comes after.
-        out_BxTxD = exit_tp(jnp.einsum("btnh,nhd->btd", o_BxTxNxH, self.wo[...].astype(dt)))
+        out_BxTxD = exit_tp(linear(o_BxTxNxH, self.wo[...].astype(dt), 2))
         if self.arch == "gpt2":
             out_BxTxD += self.bo[...].astype(dt)
         return out_BxTxD
@@ -150,14 +201,14 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         dt = self.dtype
-        h_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, self.w_up[...].astype(dt))
+        h_BxTxF = linear(x_BxTxD, self.w_up[...].astype(dt))
         if self.arch == "llama":
-            g_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, self.w_gate[...].astype(dt))
+            g_BxTxF = linear(x_BxTxD, self.w_gate[...].astype(dt))
             h_BxTxF = jax.nn.silu(g_BxTxF) * h_BxTxF
         else:
             h_BxTxF = jax.nn.gelu(h_BxTxF + self.b_up[...].astype(dt), approximate=True)
         h_BxTxF = constrain(h_BxTxF, ("batch", "seq", "mlp"))
-        out_BxTxD = exit_tp(jnp.einsum("btf,fd->btd", h_BxTxF, self.w_down[...].astype(dt)))
+        out_BxTxD = exit_tp(linear(h_BxTxF, self.w_down[...].astype(dt)))
         if self.arch == "gpt2":
             out_BxTxD += self.b_down[...].astype(dt)
         return out_BxTxD

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.layers import Block, block_class, norm, param
-from jaxpar.sharding import constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
+from jaxpar.sharding import DOT_TAG, constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
 
 Params = dict[str, Any]
 
@@ -27,7 +27,9 @@ REMAT_POLICIES = {
     "full": params_never_saved(None),  # save nothing inside a block; recompute it in the backward pass
     # Save the outputs of weight matmuls (no batch dims); recompute the cheap elementwise work
     # and the attention scores.
-    "dots": params_never_saved(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    # (`linear`'s matmuls are named DOT_TAG: on CPU a custom_vjp hides their dot from the policy.)
+    "dots": params_never_saved(jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, jax.checkpoint_policies.save_only_these_names(DOT_TAG))),
 }
 
 

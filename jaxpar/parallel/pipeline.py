@@ -46,39 +46,53 @@ from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.parallel.zero import Layout
 from jaxpar.parallel.gradients import _seed, gather_at_use, hand_out, manual_region
-from jaxpar.sharding import Handout, activation_rules, vary, zeros_like_varying
+from jaxpar.sharding import Handout, activation_rules, vary, varying_axes, zeros_like_varying
 
 DATA, STAGE, MODEL = "data", "stage", "model"
 
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-    """A schedule as the executor consumes it: int32 arrays [ticks, p] and buffer sizes."""
+    """A schedule as the executor consumes it: int32 rows [ticks, p] and slot counts per stage.
 
-    f_valid: np.ndarray
-    f_mb: np.ndarray
-    f_chunk: np.ndarray  # the stage's local chunk index (global chunk = local * p + stage)
-    b_valid: np.ndarray
-    b_mb: np.ndarray
-    b_chunk: np.ndarray
+    `rows` holds, per (tick, stage): `{f,b}_valid`, `{f,b}_mb`, `{f,b}_chunk` (the stage's local
+    chunk: global chunk = local * p + stage), the slots each action reads and writes (`f_in`: the
+    received activation F reads, `f_stash`: where F saves, `b_stash`: what B reads, `b_in`: the
+    received gradient B reads) and `f_recv` / `b_recv`: the slot a message arriving at the end
+    of the tick lands in (-1: none). Each slot space is shared by the stage's chunks."""
+
+    rows: dict[str, np.ndarray]
     chunks: int     # v: chunks per stage
-    stash: int      # stash slots per chunk (peak stashed microbatches over stages)
-    fwd_slots: int  # received activations waiting for their F, per chunk
-    bwd_slots: int  # received gradients waiting for their B, per chunk
+    stash: int      # stash slots per stage: what F saved, waiting for its B
+    fwd_slots: int  # received activations waiting for their F, per stage
+    bwd_slots: int  # received gradients waiting for their B, per stage
 
     @property
     def ticks(self) -> int:
-        return self.f_valid.shape[0]
+        return self.rows["f_valid"].shape[0]
 
 
 def table_of(schedule) -> Table:
     """The executor's view of a `jaxpar.parallel.schedules.Schedule`."""
     a = schedule.to_arrays()
+    p, v = schedule.stages, schedule.virtual_stages
     buffered = schedule.peak_buffered()
-    return Table(f_valid=a["f_valid"], f_mb=a["f_mb"], f_chunk=a["f_chunk"], b_valid=a["b_valid"], b_mb=a["b_mb"],
-                 b_chunk=a["b_chunk"], chunks=schedule.virtual_stages,
-                 stash=max(1, max(schedule.declared_stash or schedule.peak_stash())),
-                 fwd_slots=max(1, max(f for f, _ in buffered)), bwd_slots=max(1, max(b for _, b in buffered)))
+    S = max(1, max(schedule.declared_stash or schedule.peak_stash()))
+    FS, BS = max(1, max(f for f, _ in buffered)), max(1, max(b for _, b in buffered))
+    rows = {k: a[k] for k in ("f_valid", "f_mb", "f_chunk", "b_valid", "b_mb", "b_chunk")}
+    rows["f_in"] = a["f_chunk"] * FS + a["f_mb"] % FS
+    rows["f_stash"] = a["f_chunk"] * S + a["f_mb"] % S
+    rows["b_stash"] = a["b_chunk"] * S + a["b_mb"] % S
+    rows["b_in"] = a["b_chunk"] * BS + a["b_mb"] % BS
+    for kind, lane, size, step in (("F", "f_recv", FS, 1), ("B", "b_recv", BS, -1)):
+        recv = np.full(a["f_valid"].shape, -1, np.int32)
+        for t, s, act in schedule.actions():
+            nxt = act.chunk + step
+            if act.kind == kind and 0 <= nxt < p * v:
+                recv[t, nxt % p] = (nxt // p) * size + act.microbatch % size
+        rows[lane] = recv
+    return Table(rows={k: np.asarray(x, np.int32) for k, x in rows.items()}, chunks=v, stash=v * S,
+                 fwd_slots=v * FS, bwd_slots=v * BS)
 
 
 def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table: Table,
@@ -123,10 +137,6 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         n_active = jnp.asarray(counts)[jax.lax.axis_index(STAGE)] if uneven else None
         return model.bind(chunk_cfg, {"blocks": blocks}).backbone(x, remat=remat, n_active=n_active)
 
-    def chunk_loss(blocks, shared, x_in, tokens, targets, first):
-        y = chunk_forward(blocks, shared, x_in, tokens, first)
-        return loss_sum(model.bind(chunk_cfg, shared).head(y), targets) / n_tokens
-
     def reduce_data(g, dim):
         """The data-axis reduction after the loop of one gradient whose ZeRO dim is `dim`."""
         if not dp:
@@ -156,13 +166,13 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         act_shape = (b, seq // t if sp else seq, cfg.model.d_model)
         act_axes = (*data_axes, STAGE, *((MODEL,) if sp else ()))
 
-        def zeros(shape):  # a buffer that varies over the manual axes its contents vary on
-            return jax.lax.pcast(jnp.zeros(shape, cfg.model.dtype), act_axes, to="varying")
+        def zeros(shape, dtype=cfg.model.dtype, axes=act_axes):  # varies over the manual axes its contents vary on
+            return jax.lax.pcast(jnp.zeros(shape, dtype), axes, to="varying") if axes else jnp.zeros(shape, dtype)
 
         def chunk_params(k):
             return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, k, 0, keepdims=False), blocks)
 
-        # What B differentiates: the parameters, or (ZeRO-2 per microbatch) the seeds of the
+        # What is differentiated: the parameters, or (ZeRO-2 per microbatch) the seeds of the
         # sharded ones, each handed to the model beside its parameter.
         block_mask = jax.tree.map(lambda dim: scatter_mb and dim is not None, layout.zero_dims["blocks"],
                                   is_leaf=lambda x: x is None or isinstance(x, int))
@@ -171,9 +181,8 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         block_dims = layout.zero_dims["blocks"]
         shared_dims = {k: layout.zero_dims[k] for k in shared}
 
-        def diff_blocks(k):  # one chunk: [layers per chunk, ...]; its zero dim is the stacked one's
-            return jax.tree.map(lambda w, dim, s: _seed(w, dim, d) if s else w, chunk_params(k), block_dims,
-                                block_mask)
+        def diff_blocks(full_bl):  # one chunk: [layers per chunk, ...]; its zero dim is the stacked one's
+            return jax.tree.map(lambda w, dim, s: _seed(w, dim, d) if s else w, full_bl, block_dims, block_mask)
 
         def diff_shared():
             return jax.tree.map(lambda w, dim, s: _seed(w, dim, d) if s else w, shared, shared_dims, shared_mask)
@@ -184,76 +193,112 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         def ends(k):  # does this (stage, local chunk) hold the first / the last chunk of the model?
             return (stage == 0) & (k == 0), (stage == p - 1) & (k == v - 1)
 
-        def forward(x_in, mb, k):
-            return chunk_forward(chunk_params(k), shared, x_in, micro[mb, :, :-1], ends(k)[0])
+        # F saves what B needs: the residuals of the chunk's `jax.vjp` (what the remat policy
+        # keeps), less the parameters among them (B takes those from the parameters themselves,
+        # so the stash holds activations only). `residuals` is fixed by the first trace of F.
+        residuals = {}
 
-        def backward(x_in, cot, mb, k, no_loss):
-            tokens, targets = micro[mb, :, :-1], micro[mb, :, 1:]
-            first, last = ends(k)
-
+        def linearize(x_in, mb, k):
+            tokens = micro[mb, :, :-1]
             full_bl = chunk_params(k)
+            bl, sh = diff_blocks(full_bl), diff_shared()
+            y, pullback = jax.vjp(lambda bl, sh, x: chunk_forward(handed(bl, full_bl, block_mask),
+                                                                  handed(sh, shared, shared_mask), x, tokens,
+                                                                  ends(k)[0]), bl, sh, x_in)
+            leaves, treedef = jax.tree.flatten(pullback)
+            known = {id(w): i for i, w in enumerate(_param_leaves(full_bl, bl, shared, sh))}
+            where = tuple(known.get(id(r)) for r in leaves)
+            if "treedef" not in residuals:
+                residuals.update(treedef=treedef, where=where)
+            elif (treedef, where) != (residuals["treedef"], residuals["where"]):
+                raise AssertionError("the chunk's residuals differ between traces of F")
+            return y, tuple(r for r, i in zip(leaves, where) if i is None)
 
-            def at_last():
-                loss, vjp = jax.vjp(lambda bl, sh, x: chunk_loss(handed(bl, full_bl, block_mask),
-                                                                 handed(sh, shared, shared_mask), x, tokens, targets,
-                                                                 first),
-                                    diff_blocks(k), diff_shared(), x_in)
-                return (*vjp(jnp.ones_like(loss)), loss)
+        def forward(x_in, mb, k):
+            """F: the chunk's output, its residuals, and on the last chunk the loss and its
+            backward through the head (the chunk output's cotangent, the head's gradients)."""
+            y, saved = linearize(x_in, mb, k)
+            targets = micro[mb, :, 1:]
 
-            def inside():
-                _, vjp = jax.vjp(lambda bl, sh, x: chunk_forward(handed(bl, full_bl, block_mask),
-                                                                 handed(sh, shared, shared_mask), x, tokens, first),
-                                 diff_blocks(k), diff_shared(), x_in)
-                return (*vjp(cot), no_loss)
+            def head():
+                sh = diff_shared()
+                loss, pull = jax.vjp(lambda sh, y: loss_sum(model.bind(chunk_cfg, handed(sh, shared, shared_mask)).head(y),
+                                                            targets) / n_tokens, sh, y)
+                dsh, dy = pull(jnp.ones_like(loss))
+                return loss, dsh, dy
 
-            return jax.lax.cond(last, at_last, inside)
+            def no_head():
+                return (zeros((), jnp.float32, (*data_axes, STAGE)), jax.tree.map(zeros_like_varying, diff_shared()),
+                        zeros_like_varying(y))
+
+            loss, dsh, dy = jax.lax.cond(ends(k)[1], head, no_head)
+            return y, (*saved, dy), dsh, loss
+
+        def backward(saved, cot, k):
+            """B: the chunk's gradients from what F saved (no second forward)."""
+            *saved, dy = saved
+            full_bl = chunk_params(k)
+            inputs = _param_leaves(full_bl, diff_blocks(full_bl), shared, diff_shared())
+            it = iter(saved)
+            leaves = [next(it) if i is None else inputs[i] for i in residuals["where"]]
+            pullback = jax.tree.unflatten(residuals["treedef"], leaves)
+            return pullback(jnp.where(ends(k)[1], dy, cot))
 
         def tick(carry, row):
             fwd_buf, bwd_buf, stash, g_blocks, g_shared, loss_acc = carry
             fv, fmb, fk = row["f_valid"][stage], row["f_mb"][stage], row["f_chunk"][stage]
-            bv, bmb, bk = row["b_valid"][stage], row["b_mb"][stage], row["b_chunk"][stage]
-            # B first: it reads its stash slot before this tick's F may reuse it.
-            x_b = stash[bk * table.stash + bmb % table.stash]
-            cot = bwd_buf[bk * table.bwd_slots + bmb % table.bwd_slots]
-            f_slot = fk * table.fwd_slots + fmb % table.fwd_slots
-            x_f = fwd_buf[f_slot]
+            bv, bk = row["b_valid"][stage], row["b_chunk"][stage]
+            x_f = fwd_buf[row["f_in"][stage]]
             if poison_idle:
-                x_b = jnp.where(bv > 0, x_b, jnp.nan)
                 x_f = jnp.where(fv > 0, x_f, jnp.nan)
-            no_loss = zeros_like_varying(loss_acc)
-            dbl, dsh, dx, loss = jax.lax.cond(
-                bv > 0, lambda: backward(x_b, cot, bmb, bk, no_loss),
-                lambda: (jax.tree.map(zeros_like_varying, diff_blocks(bk)), jax.tree.map(zeros_like_varying, diff_shared()),
-                         zeros_like_varying(x_b), no_loss))
-            # B and F are independent, and so are the two hops: a runtime may run them side by side
-            # (on simulated CPU devices that needs threads to spare, see jaxpar.mesh.use_cpu_devices).
-            y = jax.lax.cond(fv > 0, lambda: forward(x_f, fmb, fk), lambda: zeros_like_varying(x_f))
-            s_slot = fk * table.stash + fmb % table.stash
-            stash = stash.at[s_slot].set(jnp.where(fv > 0, x_f, stash[s_slot]))
+            # F first in the trace (it fixes the residuals' structure B unflattens); the program's
+            # order is its data flow: B reads the stash before F's write replaces a freed slot.
+            def run_f():
+                y, saved, dsh, loss = forward(x_f, fmb, fk)
+                return y, tuple(vary(n, varying_axes(s)) for n, s in zip(saved, stash)), dsh, loss
+
+            y, saved, dsh_f, loss = jax.lax.cond(
+                fv > 0, run_f,
+                lambda: (zeros_like_varying(x_f), tuple(zeros_like_varying(s[0]) for s in stash),
+                         jax.tree.map(zeros_like_varying, diff_shared()),
+                         zeros((), jnp.float32, (*data_axes, STAGE))))
+            saved_b = tuple(s[row["b_stash"][stage]] for s in stash)
+            cot = bwd_buf[row["b_in"][stage]]
+            if poison_idle:
+                saved_b = tuple(jnp.where(bv > 0, s, jnp.nan) if jnp.issubdtype(s.dtype, jnp.floating) else s
+                                for s in saved_b)
+            dbl, dsh_b, dx = jax.lax.cond(
+                bv > 0, lambda: backward(saved_b, cot, bk),
+                lambda: (jax.tree.map(zeros_like_varying, diff_blocks(chunk_params(bk))),
+                         jax.tree.map(zeros_like_varying, diff_shared()), zeros_like_varying(x_f)))
+            f_slot = row["f_stash"][stage]
+            stash = tuple(s.at[f_slot].set(jnp.where(fv > 0, n, s[f_slot])) for s, n in zip(stash, saved))
             g_blocks = jax.tree.map(lambda a, g: a.at[bk].add(g.astype(jnp.float32)), g_blocks, dbl)
-            g_shared = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_shared, dsh)
-            # One hop per tick: activations to the next stage, gradients to the previous one.
+            g_shared = jax.tree.map(lambda a, g1, g2: a + g1.astype(jnp.float32) + g2.astype(jnp.float32),
+                                    g_shared, dsh_f, dsh_b)
+            # One hop per tick: activations to the next stage, gradients to the previous one; the
+            # table says which slot each arrival lands in (-1: nothing arrives).
             recv_f = jax.lax.ppermute(y, STAGE, fwd_pairs)
             recv_b = jax.lax.ppermute(dx, STAGE, bwd_pairs)
-            # Which (chunk, microbatch) arrived: read off the sender's action in this tick's row.
-            prev, nxt = (stage - 1) % p, (stage + 1) % p
-            c_from = row["f_chunk"][prev] * p + prev  # global chunk the activation left
-            sent_f = (row["f_valid"][prev] > 0) & (c_from + 1 < p * v) & ((stage > 0) | (v > 1))
-            sf = ((c_from + 1) // p) * table.fwd_slots + row["f_mb"][prev] % table.fwd_slots
-            c_back = row["b_chunk"][nxt] * p + nxt  # global chunk the gradient left
-            sent_b = (row["b_valid"][nxt] > 0) & (c_back >= 1) & ((stage < p - 1) | (v > 1))
-            sb = ((c_back - 1) // p) * table.bwd_slots + row["b_mb"][nxt] % table.bwd_slots
-            fwd_buf = fwd_buf.at[sf].set(jnp.where(sent_f, recv_f, fwd_buf[sf]))
-            bwd_buf = bwd_buf.at[sb].set(jnp.where(sent_b, recv_b, bwd_buf[sb]))
+            rf, rb = row["f_recv"][stage], row["b_recv"][stage]
+            fwd_buf = fwd_buf.at[jnp.maximum(rf, 0)].set(jnp.where(rf >= 0, recv_f, fwd_buf[jnp.maximum(rf, 0)]))
+            bwd_buf = bwd_buf.at[jnp.maximum(rb, 0)].set(jnp.where(rb >= 0, recv_b, bwd_buf[jnp.maximum(rb, 0)]))
             return (fwd_buf, bwd_buf, stash, g_blocks, g_shared, loss_acc + loss), None
 
-        f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
-        carry = (zeros((v * table.fwd_slots, *act_shape)), zeros((v * table.bwd_slots, *act_shape)),
-                 zeros((v * table.stash, *act_shape)), f32_like(jax.tree.map(lambda w, dim, s: _seed(w, dim + 1, d) if s else w, blocks, block_dims,
-                                       block_mask)), f32_like(diff_shared()),
-                 jax.lax.pcast(jnp.zeros((), jnp.float32), (*data_axes, STAGE), to="varying"))
-        rows = {k: jnp.asarray(a) for k, a in dataclasses.asdict(table).items() if isinstance(a, np.ndarray)}
+        # The stash's leaves: shapes (and manual-axis types) from an abstract trace of F.
+        rows = {k: jnp.asarray(a) for k, a in table.rows.items()}
         with activation_rules(mesh, rules, param_fn=param_fn, tp=tp, compute_dtype=cfg.model.dtype):
+            z = rows["f_mb"][0][stage] * 0  # an index that varies over `stage` as the tick's do
+            saved_avals = jax.make_jaxpr(lambda x: forward(x, z, z)[1])(zeros(act_shape)).out_avals
+            residuals.clear()
+            # (A stash slot varies over `stage`, whatever its value does: the tables differ per stage.)
+            stash = tuple(zeros((table.stash, *a.shape), a.dtype, tuple(sorted({*_aval_axes(a), *data_axes, STAGE})))
+                          for a in saved_avals)
+            f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
+            carry = (zeros((table.fwd_slots, *act_shape)), zeros((table.bwd_slots, *act_shape)), stash,
+                     f32_like(jax.tree.map(lambda w, dim, s: _seed(w, dim + 1, d) if s else w, blocks, block_dims,
+                                           block_mask)), f32_like(diff_shared()),
+                     zeros((), jnp.float32, (*data_axes, STAGE)))
             (_, _, _, g_blocks, g_shared, loss), _ = jax.lax.scan(tick, carry, rows)
         # The one reduction per step, after the tick loop.
         g_blocks = jax.tree.map(lambda g, w, dim: reduce_data(g.reshape(-1, *g.shape[2:]), dim).astype(w.dtype),
@@ -287,6 +332,18 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         return loss, {**grads, "blocks": jax.tree.map(lambda g: _reorder(g, p, v), grads["blocks"])}
 
     return interleaved
+
+
+def _param_leaves(*trees) -> list:
+    """The leaves of parameter trees, in order: F matches its residuals against them by identity."""
+    return [w for tree in trees for w in jax.tree.leaves(tree)]
+
+
+def _aval_axes(aval) -> tuple[str, ...]:
+    """The manual axes an abstract value varies over."""
+    if hasattr(aval, "manual_axis_type"):  # jax 0.10
+        return tuple(sorted(aval.manual_axis_type.varying))
+    return tuple(sorted(getattr(aval, "vma", ())))
 
 
 def _gather(w: jax.Array, dim: int | None) -> jax.Array:
