@@ -25,6 +25,13 @@ tick t may be written again at tick t. Slots are assigned per stage by a free li
 Bubble: `bubble_fraction` everywhere here is idle stage-time / all stage-time, (p-1)/(m+p-1) for
 GPipe and 1F1B with equal costs; Megatron's papers divide idle by ideal (busy) time instead,
 (p-1)/m, which `Simulation.bubble_over_ideal` reports.
+
+Schedules (`SCHEDULES`, `build`): `gpipe`; `1f1b` (Megatron's order and memory, p-s stashed on
+stage s, one action per tick with the backward split into I then W); `zb_h1` (1f1b with W
+deferred into the bubbles); `1f1b_lockstep` (what `1f1b` was before the split backward: one F and
+one fused B per tick, 2(p-s)-1 stashed); `1f1b_one_action` (Megatron's order with a fused B);
+`interleaved_1f1b` (v chunks per stage). `random_table` and `from_programs` make other valid
+tables, for tests.
 """
 
 from __future__ import annotations
