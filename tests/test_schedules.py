@@ -300,18 +300,19 @@ def test_a_broken_allocator_fails_validate(monkeypatch):
 
 def _applicable(sc: Schedule, key: str) -> np.ndarray:
     """Where the slot array `key` is read by the executor (computed from the table, not the arrays)."""
-    mask = np.zeros((sc.num_ticks(), sc.stages), bool)
-    last = sc.chunks - 1
+    last, p = sc.chunks - 1, sc.stages
+    # key -> (the kinds that use it, whether action (kind, chunk) does, the stage whose entry it is)
+    here, prev, nxt = (lambda c, s: s), (lambda c, s: (c - 1) % p), (lambda c, s: (c + 1) % p)
+    uses = {"f_in": ("F", lambda c: c > 0, here), "f_stash": ("F", lambda c: True, here),
+            "b_stash": ("B", lambda c: True, here), "i_stash": ("I", lambda c: True, here),
+            "b_in": ("B", lambda c: c < last, here), "i_in": ("I", lambda c: c < last, here),
+            "i_wstash": ("I", lambda c: True, here), "w_wstash": ("W", lambda c: True, here),
+            "f_recv": ("F", lambda c: c < last, nxt), "b_recv": ("BI", lambda c: c > 0, prev)}
+    kinds, used, where = uses[key]
+    mask = np.zeros((sc.num_ticks(), p), bool)
     for t, s, a in sc.actions():
-        k, c = a.kind.lower(), a.chunk
-        if key == f"{k}_stash" and a.kind in "FBI" or key == "i_wstash" == f"{k}_wstash" or key == f"{k}_wstash" == "w_wstash":
-            mask[t, s] = True
-        if key == "f_in" == f"{k}_in" and c > 0 or key in ("b_in", "i_in") and key == f"{k}_in" and c < last:
-            mask[t, s] = True
-        if key == "f_recv" and a.kind == "F" and c < last:
-            mask[t, (c + 1) % sc.stages] = True
-        if key == "b_recv" and a.kind in "BI" and c > 0:
-            mask[t, (c - 1) % sc.stages] = True
+        if a.kind in kinds and used(a.chunk):
+            mask[t, where(a.chunk, s)] = True
     return mask
 
 

@@ -296,7 +296,9 @@ def check_slots(schedule: Schedule, arrays: dict[str, np.ndarray] | None = None,
         for s, cell in enumerate(row):
             for kind in KINDS:
                 k = kind.lower()
-                named = (int(arr[f"{k}_mb"][t, s]), int(arr[f"{k}_chunk"][t, s]) * p + s) if arr[f"{k}_valid"][t, s] else None
+                named = None
+                if arr[f"{k}_valid"][t, s]:
+                    named = (int(arr[f"{k}_mb"][t, s]), int(arr[f"{k}_chunk"][t, s]) * p + s)
                 acts = [(a.microbatch, a.chunk) for a in cell if a.kind == kind]
                 if named != (acts[0] if acts else None):
                     raise ScheduleError(f"to_arrays() at tick {t}, stage {s} names "
@@ -766,8 +768,9 @@ def ideal_bubble(name: str, p: int, m: int, v: int = 1) -> Fraction:
     """Closed-form bubble, as idle / all stage-time, with every action of the table costing the
     same (F = B for the fused tables, F = I = W for the split ones): (p-1)/(m+p-1) for gpipe and
     1f1b_lockstep, (p-1)/(v*m+p-1) for interleaved_1f1b, 2(p-1)/(3m+2(p-1)) for 1f1b and
-    (p-1)/(3m+p-1) for zb_h1 (m >= p; with m < p, k/(3m+k) for k = 2p-1-m). Megatron's figure is idle / ideal time, (p-1)/m for 1F1B;
-    this is not it. 1f1b_one_action has no closed form here: simulate it."""
+    (p-1)/(3m+p-1) for zb_h1 (m >= p; with m < p, k/(3m+k) for k = 2p-1-m). Megatron's figure is
+    idle / ideal time, (p-1)/m for 1F1B; this is not it. 1f1b_one_action has no closed form here:
+    simulate it."""
     if name in ("gpipe", "1f1b_lockstep"):
         return Fraction(p - 1, m + p - 1)
     if name == "interleaved_1f1b":
@@ -810,7 +813,8 @@ def render_text(schedule: Schedule, f_cost: float = 1.0, b_cost: float | None = 
     head = f"{sc.name}: p={sc.stages} m={sc.microbatches}" + (f" v={sc.virtual_stages}" if sc.virtual_stages > 1 else "")
     shown = ", ".join(f"{k}={costs[k]:g}" for k in (("F", "I", "W") if split else ("F", "B")))
     try:
-        closed = f"; closed form at equal costs per action: {float(ideal_bubble(sc.name, sc.stages, sc.microbatches, sc.virtual_stages)):.1%}"
+        closed = float(ideal_bubble(sc.name, sc.stages, sc.microbatches, sc.virtual_stages))
+        closed = f"; closed form at equal costs per action: {closed:.1%}"
     except ScheduleError:
         closed = ""
     lines += [
