@@ -100,8 +100,10 @@ class ParallelConfig:
     """ZeRO stage over `data`: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)."""
     zero_min_elements: int = 16384
     """ZeRO leaves with fewer elements than this (norm scales, biases) stay replicated over `data`."""
-    schedule: Literal["gpipe", "1f1b", "1f1b_one_action", "interleaved_1f1b"] = "1f1b"
-    """Pipeline schedule (mesh.stage > 1): gpipe, 1f1b (one F and one B per tick), 1f1b_one_action, interleaved_1f1b."""
+    schedule: Literal["gpipe", "1f1b", "1f1b_lockstep", "1f1b_one_action", "interleaved_1f1b", "zb_h1"] = "1f1b"
+    """Pipeline schedule (mesh.stage > 1): gpipe, 1f1b (Megatron's order and memory, backward split
+    into I and W), 1f1b_lockstep (one F and one fused B per tick), 1f1b_one_action, interleaved_1f1b,
+    zb_h1 (zero-bubble ZB-H1: 1f1b with W deferred into the bubbles)."""
     microbatches: int = 1
     """Microbatches per step (gradient accumulation, or pipeline microbatches)."""
     virtual_stages: int = 1

@@ -1,5 +1,6 @@
 """`python -m jaxpar.schedules`: print a pipeline schedule as a table with its simulated cost
-(bubble as idle / all stage-time, peak stash, buffered messages), and optionally draw it."""
+(bubble as idle / all stage-time and as Megatron's idle / ideal, peak stash and wstash, buffered
+messages), and optionally draw it."""
 
 from __future__ import annotations
 
@@ -28,17 +29,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--virtual-stages", "-v", type=int, default=1,
                         help="model chunks per stage v (interleaved_1f1b only; default 1)")
     parser.add_argument("--f-cost", type=float, default=1.0, help="forward time of one stage's layers (default 1)")
-    parser.add_argument("--b-cost", type=float, default=2.0, help="backward time of one stage's layers (default 2)")
+    parser.add_argument("--b-cost", type=float, default=None,
+                        help="fused backward (B) time of one stage's layers (default: I + W)")
+    parser.add_argument("--i-cost", type=float, default=None,
+                        help="input-gradient (I) time of one stage's layers (default 1, or half of --b-cost)")
+    parser.add_argument("--w-cost", type=float, default=None,
+                        help="weight-gradient (W) time of one stage's layers (default 1, or half of --b-cost)")
     parser.add_argument("--activation-bytes", type=int, default=None,
                         help="bytes of one activation message, to report the bytes sent")
     parser.add_argument("--png", metavar="FILE", help="also draw the schedule to FILE (needs jaxpar[plot])")
     try:
         args = parser.parse_args(argv)
-        if args.f_cost < 0 or args.b_cost < 0:
-            raise ScheduleError(f"--f-cost {args.f_cost:g} / --b-cost {args.b_cost:g}: costs must be >= 0; "
-                                f"pass non-negative times.")
+        given = {k: getattr(args, f"{k}_cost") for k in ("f", "b", "i", "w")}
+        if any(x is not None and x < 0 for x in given.values()):
+            raise ScheduleError(", ".join(f"--{k}-cost {x:g}" for k, x in given.items() if x is not None and x < 0)
+                                + ": costs must be >= 0; pass non-negative times.")
         schedule = validate(build(args.schedule, args.stages, args.microbatches, args.virtual_stages))
-        text = render_text(schedule, args.f_cost, args.b_cost, args.activation_bytes)
+        text = render_text(schedule, args.f_cost, args.b_cost, args.activation_bytes, i_cost=args.i_cost,
+                           w_cost=args.w_cost)
         if args.png:
             try:
                 render_png(schedule, args.png)
