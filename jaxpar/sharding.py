@@ -313,6 +313,11 @@ def _tp() -> TensorParallel | None:
     return None if active is None else active.tp
 
 
+def tensor_parallel() -> bool:
+    """Is the model being traced tensor-parallel (inside a shard_map manual over `model`)?"""
+    return _tp() is not None
+
+
 def enter_tp(x_BxTxD: jax.Array) -> jax.Array:
     """Input of column-parallel matmuls (q/k/v, up/gate, output head): the whole sequence, the
     same on every model rank. Megatron's `f`: identity forward, all-reduce of the gradient

@@ -194,17 +194,19 @@ def test_zero3_microbatch_gathers_every_layer_in_every_forward_and_backward():
     # Block leaves inside the layer scan of every tick, the embedding and head once per tick.
     assert {c.executions for c in gathers} == {ticks * per_stage, ticks}
     layer = [c for c in gathers if c.executions == ticks * per_stage]
-    # Each layer's leaves gathered in F (forward), in B's recomputation (jvp) and again in B's
-    # backward (rematerialized, never held from the recomputation): F's gathers are one layer's
-    # leaves; B's two cond branches (last stage with the loss, or not) each gather them twice.
-    forward = [c for c in layer if "jvp(" not in c.op_name and "rematted" not in c.op_name]
-    regathered = [c for c in layer if "rematted" in c.op_name]
+    # Each layer's leaves gathered in F (forward) and again in I's backward (rematerialized: the
+    # remat policy never saves gathered parameters); B no longer recomputes the forward, and W
+    # needs no weights (x^T g).
+    forward = [c for c in layer if "transpose(" not in c.op_name]
+    regathered = [c for c in layer if "transpose(" in c.op_name and "rematted" in c.op_name]
     assert sorted(c.bytes for c in forward) == sorted(b // per_stage for b in blocks)
-    assert sorted(c.bytes for c in regathered) == sorted(2 * [b // per_stage for b in blocks])
-    assert len(layer) == 5 * len(blocks)
-    # Gradients reduce-scattered where the gathers are transposed, once per layer per B.
+    assert sorted(c.bytes for c in regathered) == sorted(b // per_stage for b in blocks)
+    assert len(layer) == 2 * len(blocks)
+    # Gradients reduce-scattered per microbatch: the weight matmuls' by W (one per leaf, over the
+    # chunk's stacked layers), the other leaves' where their gathers are transposed.
     scatters = r.select(kind="reduce-scatter", spans="data")
     assert all(c.in_loop for c in scatters)
+    assert sum(c.executions * c.bytes for c in scatters if "transpose(" not in c.op_name) == ticks * sum(blocks) // D
 
 
 def test_zero3_gather_placement_trades_memory_for_traffic():

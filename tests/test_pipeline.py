@@ -90,19 +90,20 @@ def temp_bytes(cfg):
 
 
 def test_stash_memory_follows_the_table_and_the_remat_policy():
-    """Temp memory grows with the table's stash slots only, each slot holds what the remat policy
-    keeps: GPipe (m slots) grows by 12 slots from m = 4 to 16; lock-step 1F1B (min(m, 2p-1)
-    slots) is flat from m = 8 to 16; a `full` slot holds the chunk's layer inputs (here one layer
-    per chunk: its input and the head's cotangent slot), a `none` slot the chunk's residuals."""
+    """Temp memory grows with the table's stash slots only, and each slot holds what the remat
+    policy keeps: GPipe (m slots) grows by 12 slots from m = 4 to 16; 1F1B and ZB-H1 (p - s
+    stashed on stage s, sized by stage 0's p) are flat from m = 4 to 16; a `full` slot holds the
+    chunk's layer inputs (here one layer per chunk: its input, and the slot for the head's
+    cotangent), a `none` slot the chunk's residuals."""
     def slot_bytes(remat):
         gp_4, gp_16 = (temp_bytes(medium_pp("gpipe", m).replace(parallel={"remat": remat})) for m in (4, 16))
         return (gp_16 - gp_4) / 12
 
-    stash = {(s, m): max(simulate(build_schedule(s, 4, m)).peak_stash) for s in ("1f1b", "gpipe") for m in (8, 16)}
-    assert stash[("1f1b", 8)] == stash[("1f1b", 16)] == 2 * 4 - 1 and stash[("gpipe", 16)] == 16
-    one_8, one_16 = temp_bytes(medium_pp("1f1b", 8)), temp_bytes(medium_pp("1f1b", 16))
-    # 1%: XLA may lay buffers out differently as the table's length changes (measured equal).
-    assert abs(one_16 - one_8) <= 0.01 * one_8, (one_8, one_16)
+    for schedule in ("1f1b", "zb_h1"):
+        assert [max(simulate(build_schedule(schedule, 4, m)).peak_stash) for m in (4, 16)] == [4, 4]
+        at_4, at_16 = temp_bytes(medium_pp(schedule, 4)), temp_bytes(medium_pp(schedule, 16))
+        # 5%: the issue's bound; XLA may lay buffers out differently as the table grows.
+        assert abs(at_16 - at_4) <= 0.05 * at_4, (schedule, at_4, at_16)
     cfg = medium_pp("gpipe", 4)
     chunk_input = 2 * cfg.model.seq_len * cfg.model.d_model * 4  # one microbatch's activation, float32
     full, none = slot_bytes("full"), slot_bytes("none")
@@ -176,6 +177,55 @@ def test_bubbles_never_leak_into_gradients():
     _, dirty = jax.jit(poisoned)(params, batch)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(dirty))
     assert max_abs_diff(clean, dirty) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Any valid table runs
+
+
+def _table_grads(cfg, schedule):
+    """Loss and gradients of `cfg`'s model through the executor running `schedule`, and the
+    single-device loss and gradients of the same batch."""
+    p = schedule.stages
+    program = build(cfg, make_mesh(cfg, jax.devices()[:p]))
+    run = make_pipeline_loss_and_grads(cfg, program.mesh, program.layout, table_of(schedule),
+                                       lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size))
+    params = model.init_params(cfg.model, jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (cfg.train.global_batch, cfg.model.seq_len + 1), 0, 64)
+    one = cfg.replace(mesh={"stage": 1}, parallel={"schedule": "gpipe", "microbatches": 1, "virtual_stages": 1})
+    ref = build(one, make_mesh(one, jax.devices()[:1])).loss_and_grads(params, batch)
+    return jax.jit(run)(params, batch), ref
+
+
+def test_a_table_that_finishes_microbatches_out_of_order_is_exact():
+    """The issue's table (p = 2, m = 3, each stage F0 F1 B1 F2 B0 B2): with slots taken as
+    microbatch % slots it gave wrong gradients; slots come from the table now."""
+    from jaxpar.parallel.schedules import Action, from_programs, validate
+    order = [("F", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 0), ("B", 2)]
+    programs = [[Action(k, j, c) for k, j in (order if c == 0 else order)] for c in range(2)]
+    schedule = validate(from_programs("out_of_order", 2, 3, programs))
+    (loss, grads), (ref_loss, ref_grads) = _table_grads(tiny_pp("llama", 2, "gpipe", 3), schedule)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert max_abs_diff(grads, ref_grads) < 1e-6
+
+
+# (p, m, split, v, seed): fused B, split I/W and both in one table, one and two chunks per stage.
+RANDOM_TABLES = [(2, 3, False, 1, 0), (2, 3, True, 1, 1), (4, 5, "mixed", 1, 2), (4, 3, True, 1, 3),
+                 (2, 3, "mixed", 2, 4), (4, 4, True, 2, 5)]
+
+
+@pytest.mark.parametrize("p, m, split, v, seed", RANDOM_TABLES)
+def test_random_valid_tables_give_the_sequential_gradients(p, m, split, v, seed):
+    """Property: any table `validate` accepts (random dependency-respecting orders per stage,
+    randomly packed ticks, I/W splits) runs to the single-device loss and gradients."""
+    from jaxpar.parallel.schedules import random_table
+    schedule = random_table(p, m, seed, split=split, v=v)
+    cfg = tiny_pp("llama", p, "gpipe", m, v=v)
+    if v > 1:
+        cfg = cfg.replace(parallel={"schedule": "interleaved_1f1b"})
+    (loss, grads), (ref_loss, ref_grads) = _table_grads(cfg, schedule)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)), (loss, ref_loss)
+    assert max_abs_diff(grads, ref_grads) < 1e-6, max_abs_diff(grads, ref_grads)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ D embed, N heads, K kv_heads, H head_dim, F mlp, V vocab.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -17,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.sharding import DOT_TAG, constrain, enter_tp, exit_tp, local_kv_heads, varying_axes, vary
+from jaxpar.sharding import DOT_TAG, constrain, enter_tp, exit_tp, local_kv_heads, tensor_parallel, varying_axes, vary
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str, ...], dtype, std: float | None = None,
@@ -35,6 +37,10 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str, ...],
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+# `linear`'s XLA:CPU weight-gradient layout (on by default; a switch for measuring without it).
+CPU_WEIGHT_GRADIENT_LAYOUT = True
+
+
 def linear(x: jax.Array, w: jax.Array, k: int = 1) -> jax.Array:
     """`x [..., C] @ w [C, O...]`: x's last `k` dims contract with w's first `k` (a weight matmul).
 
@@ -42,18 +48,96 @@ def linear(x: jax.Array, w: jax.Array, k: int = 1) -> jax.Array:
     materialised transpose of the input, `x^T [C, tokens] @ g [tokens, O]`: the form XLA:CPU sends
     to YNNPACK. Left to itself, its simplifier folds the transpose into the dot, and a dot that
     contracts its left operand's major dim falls back to Eigen (measured: ~20% of an MLP's
-    backward time on this project's 2-core machine; `benchmarks/vs_plain_jax.py`). On other
-    backends (cuBLAS takes transposed operands at no cost) it is the plain einsum. The output is
-    named `DOT_TAG`, so the `dots` remat policy saves it as it saves a plain dot's.
+    backward time on this project's 2-core machine; `benchmarks/vs_plain_jax.py`). Elsewhere it
+    is the plain einsum: on other backends (cuBLAS takes transposed operands at no cost), in
+    16-bit compute (XLA:CPU computes it in float32 after casts: measured no change), and under
+    tensor parallelism (XLA:CPU runs independent collectives in any order per device, and with
+    this backward a ZeRO-3 reduce-scatter over `data` and an all-gather over `model` deadlocked).
+    The output is named `DOT_TAG`, so the `dots` remat policy saves it as it saves a plain dot's.
     """
-    if jax.default_backend() != "cpu":
+    split = _SPLIT.get()
+    if split is None and (not CPU_WEIGHT_GRADIENT_LAYOUT or jax.default_backend() != "cpu" or x.dtype != jnp.float32
+                          or tensor_parallel()):
         return jnp.einsum(x, list(range(x.ndim)), w, [*range(x.ndim - k, x.ndim), *range(x.ndim, x.ndim + w.ndim - k)])
     # The custom backward returns each cotangent with its input's manual-axis type: make both
     # inputs vary over the same axes first (the pcast's own transpose then reduces, as autodiff of
     # the einsum would have).
     axes = (*varying_axes(x), *varying_axes(w))
     x, w = vary(x, axes), vary(w, axes)
-    return checkpoint_name(_linear(x, w, k), DOT_TAG)
+    if split is None:
+        return checkpoint_name(_linear(x, w, k), DOT_TAG)
+    path = split.paths.get(id(w))
+    if path is None:
+        raise AssertionError("split backward: a weight matmul's weight is not one of the layer's parameters "
+                             "as handed out (a copy was made between `use_params` and `linear`)")
+    x2, w2 = _flat(x, w, k)
+    if split.taps is None:  # recording the taps' shapes
+        split.shapes[path] = (x2.shape, x2.dtype, (x2.shape[0], w2.shape[1]), x2.dtype, tuple(sorted(set(axes))),
+                              w.shape)
+        return checkpoint_name(_linear(x, w, k), DOT_TAG)
+    tap = split.layer_taps[path]
+    return checkpoint_name(_linear_tapped(x, w, tap, k, varying_axes(tap[0])), DOT_TAG)
+
+
+# ---------------------------------------------------------------------------------------------
+# The split backward (pipeline actions I and W): inside `split_backward(taps)`, every weight
+# matmul of a layer takes a third input, its "tap" (zeros shaped like its flattened input and
+# output cotangent). Its backward returns the input cotangent, no weight cotangent, and (x, g)
+# as the tap's cotangent: one backward pass (I) yields the chunk's input gradient and, per
+# matmul, the pairs from which W later computes the weight gradient x^T g alone.
+
+
+class SplitBackward:
+    """The active split-backward context: `taps` (path -> stacked (x, g) zeros, or None while
+    recording their shapes into `shapes`), and per layer, while it runs, `paths` (id of each
+    handed-out parameter -> its path in the layer's tree) and `layer_taps`."""
+
+    def __init__(self, taps):
+        self.taps, self.shapes, self.paths, self.layer_taps = taps, {}, {}, None
+
+
+_SPLIT: contextvars.ContextVar[SplitBackward | None] = contextvars.ContextVar("jaxpar_split_backward", default=None)
+
+
+@contextlib.contextmanager
+def split_backward(taps=None):
+    """Run the model's weight matmuls with taps (`taps` None: record the taps' shapes instead)."""
+    token = _SPLIT.set(SplitBackward(taps))
+    try:
+        yield _SPLIT.get()
+    finally:
+        _SPLIT.reset(token)
+
+
+def active_split() -> SplitBackward | None:
+    return _SPLIT.get()
+
+
+def weight_gradient(x2: jax.Array, g2: jax.Array) -> jax.Array:
+    """W's work for one matmul stacked over layers: x [L, N, C], g [L, N, O] -> [L, C, O] (in
+    the form XLA:CPU sends to YNNPACK, see `linear`)."""
+    if jax.default_backend() == "cpu":
+        return jax.lax.optimization_barrier(jnp.swapaxes(x2, 1, 2)) @ g2
+    return jnp.einsum("lnc,lno->lco", x2, g2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _linear_tapped(x, w, tap, k, tap_axes):
+    return _linear(x, w, k)
+
+
+def _linear_tapped_fwd(x, w, tap, k, tap_axes):
+    return _linear(x, w, k), (x, w)
+
+
+def _linear_tapped_bwd(k, tap_axes, res, g):
+    x, w = res
+    x2, w2 = _flat(x, w, k)
+    g2 = g.reshape(x2.shape[0], w2.shape[1])
+    return (g2 @ w2.T).reshape(x.shape), jnp.zeros_like(w), (vary(x2, tap_axes), vary(g2, tap_axes))
+
+
+_linear_tapped.defvjp(_linear_tapped_fwd, _linear_tapped_bwd)
 
 
 def _flat(x: jax.Array, w: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.layers import Block, block_class, norm, param
+from jaxpar.model.layers import Block, active_split, block_class, norm, param
 from jaxpar.sharding import DOT_TAG, constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
 
 Params = dict[str, Any]
@@ -93,17 +93,24 @@ def run_blocks(blocks: Block, x_BxTxD: jax.Array, remat: str, names: Any, n_acti
     template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
     n_layers = jax.tree.leaves(state)[0].shape[0]
 
+    split = active_split()  # the pipeline's split backward: each layer's matmul taps are scanned too
+    taps = split.taps if split is not None else None
+
     def body(x, inputs):
-        layer_params, i = inputs
+        layer_params, i, layer_taps = inputs
         # This layer's parameters enter here: under data parallelism their gradients are reduced
         # at this point of the backward pass, one layer at a time, overlapping the next layer.
         layer_state = jax.tree.map(lambda v: v, template)
-        nnx.replace_by_pure_dict(layer_state, use_params(layer_params, names))
+        handed = use_params(layer_params, names)
+        nnx.replace_by_pure_dict(layer_state, handed)
+        if split is not None:  # `linear` finds its tap by the identity of the parameter it is handed
+            split.paths = {id(v): jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(handed)}
+            split.layer_taps = layer_taps
         y = nnx.merge(graphdef, layer_state)(x)
         return (y if n_active is None else jnp.where(i < n_active, y, x)), None
 
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (nnx.to_pure_dict(state), jnp.arange(n_layers)))
+    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (nnx.to_pure_dict(state), jnp.arange(n_layers), taps))
     return x_BxTxD
 
 

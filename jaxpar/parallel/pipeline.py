@@ -34,6 +34,7 @@ ZeRO-3 (parameters stored as `data` shards) gathers them where `parallel.zero3_g
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -44,6 +45,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar import model
 from jaxpar.config import Config
+from jaxpar.model.layers import split_backward, weight_gradient
 from jaxpar.parallel.zero import Layout
 from jaxpar.parallel.gradients import _seed, gather_at_use, hand_out, manual_region
 from jaxpar.sharding import Handout, activation_rules, vary, varying_axes, zeros_like_varying
@@ -66,6 +68,8 @@ class Table:
     stash: int      # stash slots per stage: what F saved, waiting for its B
     fwd_slots: int  # received activations waiting for their F, per stage
     bwd_slots: int  # received gradients waiting for their B, per stage
+    wstash: int = 1     # slots per stage of what I saved for its W
+    split: bool = False  # does the table split backwards into I and W?
 
     @property
     def ticks(self) -> int:
@@ -73,26 +77,14 @@ class Table:
 
 
 def table_of(schedule) -> Table:
-    """The executor's view of a `jaxpar.parallel.schedules.Schedule`."""
-    a = schedule.to_arrays()
-    p, v = schedule.stages, schedule.virtual_stages
-    buffered = schedule.peak_buffered()
-    S = max(1, max(schedule.declared_stash or schedule.peak_stash()))
-    FS, BS = max(1, max(f for f, _ in buffered)), max(1, max(b for _, b in buffered))
-    rows = {k: a[k] for k in ("f_valid", "f_mb", "f_chunk", "b_valid", "b_mb", "b_chunk")}
-    rows["f_in"] = a["f_chunk"] * FS + a["f_mb"] % FS
-    rows["f_stash"] = a["f_chunk"] * S + a["f_mb"] % S
-    rows["b_stash"] = a["b_chunk"] * S + a["b_mb"] % S
-    rows["b_in"] = a["b_chunk"] * BS + a["b_mb"] % BS
-    for kind, lane, size, step in (("F", "f_recv", FS, 1), ("B", "b_recv", BS, -1)):
-        recv = np.full(a["f_valid"].shape, -1, np.int32)
-        for t, s, act in schedule.actions():
-            nxt = act.chunk + step
-            if act.kind == kind and 0 <= nxt < p * v:
-                recv[t, nxt % p] = (nxt // p) * size + act.microbatch % size
-        rows[lane] = recv
-    return Table(rows={k: np.asarray(x, np.int32) for k, x in rows.items()}, chunks=v, stash=v * S,
-                 fwd_slots=v * FS, bwd_slots=v * BS)
+    """The executor's view of a `jaxpar.parallel.schedules.Schedule`, validated (slots included)."""
+    from jaxpar.parallel.schedules import validate
+
+    validate(schedule)
+    counts = schedule.slot_counts()
+    rows = {k: np.asarray(x, np.int32) for k, x in schedule.to_arrays().items()}
+    return Table(rows=rows, chunks=schedule.virtual_stages, stash=counts["stash"], fwd_slots=counts["fwd"],
+                 bwd_slots=counts["bwd"], wstash=counts["wstash"], split=schedule.split)
 
 
 def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table: Table,
@@ -112,6 +104,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     # Uneven stages hold max(counts) layer slots each; the slots past a stage's count are padding
     # that passes activations through (`n_active`) and receives no gradient.
     chunk_cfg = dataclasses.replace(cfg.model, n_layers=max(counts) if uneven else L // (p * v))
+    n_chunk_layers = chunk_cfg.n_layers
     model.param_names(chunk_cfg)  # build (and cache) the chunk model's abstract state outside any mesh context
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
     sp = cfg.parallel.sequence_parallel and t > 1
@@ -193,20 +186,41 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         def ends(k):  # does this (stage, local chunk) hold the first / the last chunk of the model?
             return (stage == 0) & (k == 0), (stage == p - 1) & (k == v - 1)
 
+        # Block leaves as a flat dict keyed by their path (the split backward's taps are keyed so).
+        block_def = jax.tree.structure(jax.tree.map(lambda w: w[0], blocks))
+        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(jax.tree.map(lambda w: w[0], blocks))]
+        flat = lambda tree: dict(zip(paths, jax.tree.leaves(tree)))  # noqa: E731
+        unflat = lambda d: jax.tree.unflatten(block_def, [d[k] for k in paths])  # noqa: E731
+        dim_of = flat(jax.tree.map(lambda dim: -1 if dim is None else dim, block_dims,
+                                   is_leaf=lambda x: x is None or isinstance(x, int)))
+        scatter_at_w = scatter_mb or gather == "microbatch"  # W reduce-scatters a sharded weight's gradient
+
         # F saves what B needs: the residuals of the chunk's `jax.vjp` (what the remat policy
         # keeps), less the parameters among them (B takes those from the parameters themselves,
         # so the stash holds activations only). `residuals` is fixed by the first trace of F.
-        residuals = {}
+        # With a split table the weight matmuls are not differentiated: they take taps, whose
+        # cotangents (input, output cotangent) I saves for W (`jaxpar.model.layers.split_backward`).
+        residuals, taps = {}, {}
+
+        def zero_taps():
+            return {k: (zeros((n_chunk_layers, *xs), xd, ax), zeros((n_chunk_layers, *gs), gd, ax))
+                    for k, (xs, xd, gs, gd, ax, _) in taps.items()}
 
         def linearize(x_in, mb, k):
             tokens = micro[mb, :, :-1]
             full_bl = chunk_params(k)
-            bl, sh = diff_blocks(full_bl), diff_shared()
-            y, pullback = jax.vjp(lambda bl, sh, x: chunk_forward(handed(bl, full_bl, block_mask),
-                                                                  handed(sh, shared, shared_mask), x, tokens,
-                                                                  ends(k)[0]), bl, sh, x_in)
+            diff, sh = flat(diff_blocks(full_bl)), diff_shared()
+            fixed = {p_: w for p_, w in diff.items() if p_ in taps}
+            rest = {p_: w for p_, w in diff.items() if p_ not in taps}
+
+            def f(rest, sh, x, tap_in):
+                bl = handed(unflat({**fixed, **rest}), full_bl, block_mask)
+                with split_backward(tap_in) if table.split else contextlib.nullcontext():
+                    return chunk_forward(bl, handed(sh, shared, shared_mask), x, tokens, ends(k)[0])
+
+            y, pullback = jax.vjp(f, rest, sh, x_in, zero_taps() if table.split else None)
             leaves, treedef = jax.tree.flatten(pullback)
-            known = {id(w): i for i, w in enumerate(_param_leaves(full_bl, bl, shared, sh))}
+            known = {id(w): i for i, w in enumerate(_param_leaves(full_bl, diff, shared, sh))}
             where = tuple(known.get(id(r)) for r in leaves)
             if "treedef" not in residuals:
                 residuals.update(treedef=treedef, where=where)
@@ -235,22 +249,42 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             return y, (*saved, dy), dsh, loss
 
         def backward(saved, cot, k):
-            """B: the chunk's gradients from what F saved (no second forward)."""
+            """B, or I with a split table: the chunk's gradients from what F saved (no second
+            forward): (parameter gradients but the tapped weights', shared ones', input's, taps')."""
             *saved, dy = saved
             full_bl = chunk_params(k)
-            inputs = _param_leaves(full_bl, diff_blocks(full_bl), shared, diff_shared())
+            inputs = _param_leaves(full_bl, flat(diff_blocks(full_bl)), shared, diff_shared())
             it = iter(saved)
             leaves = [next(it) if i is None else inputs[i] for i in residuals["where"]]
             pullback = jax.tree.unflatten(residuals["treedef"], leaves)
-            return pullback(jnp.where(ends(k)[1], dy, cot))
+            d_rest, dsh, dx, d_taps = pullback(jnp.where(ends(k)[1], dy, cot))
+            return d_rest, dsh, dx, d_taps
+
+        def weight_grads(d_taps):
+            """W: each tapped weight's gradient x^T g, reduce-scattered where ZeRO reduces per
+            microbatch (float32, as the reduction at use would)."""
+            out = {}
+            for k_, (x2, g2) in d_taps.items():
+                dw = weight_gradient(x2, g2).reshape(n_chunk_layers, *taps[k_][5]).astype(jnp.float32)
+                if scatter_at_w and dp and dim_of[k_] >= 0 and (gather == "microbatch" or block_mask_flat[k_]):
+                    dw = jax.lax.psum_scatter(dw, DATA, scatter_dimension=dim_of[k_], tiled=True)
+                out[k_] = dw
+            return out
+
+        block_mask_flat = flat(block_mask)
+
+        def add(acc, grads, k):
+            return {**acc, **{k_: acc[k_].at[k].add(g.astype(jnp.float32)) for k_, g in grads.items()}}
 
         def tick(carry, row):
-            fwd_buf, bwd_buf, stash, g_blocks, g_shared, loss_acc = carry
+            fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc = carry
             fv, fmb, fk = row["f_valid"][stage], row["f_mb"][stage], row["f_chunk"][stage]
-            bv, bk = row["b_valid"][stage], row["b_chunk"][stage]
+            bv, iv, wv = row["b_valid"][stage], row["i_valid"][stage], row["w_valid"][stage]
+            bk = row["b_chunk"][stage] + row["i_chunk"][stage]  # at most one of B and I per tick
             x_f = fwd_buf[row["f_in"][stage]]
             if poison_idle:
                 x_f = jnp.where(fv > 0, x_f, jnp.nan)
+
             # F first in the trace (it fixes the residuals' structure B unflattens); the program's
             # order is its data flow: B reads the stash before F's write replaces a freed slot.
             def run_f():
@@ -262,18 +296,40 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                 lambda: (zeros_like_varying(x_f), tuple(zeros_like_varying(s[0]) for s in stash),
                          jax.tree.map(zeros_like_varying, diff_shared()),
                          zeros((), jnp.float32, (*data_axes, STAGE))))
-            saved_b = tuple(s[row["b_stash"][stage]] for s in stash)
-            cot = bwd_buf[row["b_in"][stage]]
+            saved_b = tuple(s[row["b_stash"][stage] + row["i_stash"][stage]] for s in stash)
+            cot = bwd_buf[row["b_in"][stage] + row["i_in"][stage]]
             if poison_idle:
-                saved_b = tuple(jnp.where(bv > 0, s, jnp.nan) if jnp.issubdtype(s.dtype, jnp.floating) else s
+                saved_b = tuple(jnp.where(bv + iv > 0, s, jnp.nan) if jnp.issubdtype(s.dtype, jnp.floating) else s
                                 for s in saved_b)
-            dbl, dsh_b, dx = jax.lax.cond(
-                bv > 0, lambda: backward(saved_b, cot, bk),
-                lambda: (jax.tree.map(zeros_like_varying, diff_blocks(chunk_params(bk))),
-                         jax.tree.map(zeros_like_varying, diff_shared()), zeros_like_varying(x_f)))
+
+            def run_b():
+                d_rest, dsh, dx, d_taps = backward(saved_b, cot, bk)
+                d_taps = {k_: tuple(vary(a, varying_axes(wstash[k_][j])) for j, a in enumerate(xg))
+                          for k_, xg in (d_taps or {}).items()}
+                return d_rest, dsh, dx, d_taps
+
+            def no_b():
+                rest = {k_: w for k_, w in flat(diff_blocks(chunk_params(bk))).items() if k_ not in taps}
+                return (jax.tree.map(zeros_like_varying, rest), jax.tree.map(zeros_like_varying, diff_shared()),
+                        zeros_like_varying(x_f), {k_: (zeros_like_varying(a[0]), zeros_like_varying(b[0]))
+                                                  for k_, (a, b) in wstash.items()})
+
+            d_rest, dsh_b, dx, d_taps = jax.lax.cond(bv + iv > 0, run_b, no_b)
+            g_blocks = add(g_blocks, d_rest, bk)
+            if table.split:
+                # W: of this tick's fused B (a split table may hold some), and from the wstash.
+                zero_w = lambda: {k_: zeros_like_varying(g_blocks[k_][0]) for k_ in taps}  # noqa: E731
+                if table.rows["b_valid"].any():
+                    g_blocks = add(g_blocks, jax.lax.cond(bv > 0, lambda: weight_grads(d_taps), zero_w), bk)
+                w_slot = row["w_wstash"][stage]
+                g_blocks = add(g_blocks, jax.lax.cond(
+                    wv > 0, lambda: weight_grads({k_: (a[w_slot], b[w_slot]) for k_, (a, b) in wstash.items()}),
+                    zero_w), row["w_chunk"][stage])
+                i_slot = row["i_wstash"][stage]
+                wstash = {k_: tuple(buf.at[i_slot].set(jnp.where(iv > 0, new, buf[i_slot]))
+                                    for buf, new in zip(wstash[k_], d_taps[k_])) for k_ in wstash}
             f_slot = row["f_stash"][stage]
             stash = tuple(s.at[f_slot].set(jnp.where(fv > 0, n, s[f_slot])) for s, n in zip(stash, saved))
-            g_blocks = jax.tree.map(lambda a, g: a.at[bk].add(g.astype(jnp.float32)), g_blocks, dbl)
             g_shared = jax.tree.map(lambda a, g1, g2: a + g1.astype(jnp.float32) + g2.astype(jnp.float32),
                                     g_shared, dsh_f, dsh_b)
             # One hop per tick: activations to the next stage, gradients to the previous one; the
@@ -283,23 +339,32 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             rf, rb = row["f_recv"][stage], row["b_recv"][stage]
             fwd_buf = fwd_buf.at[jnp.maximum(rf, 0)].set(jnp.where(rf >= 0, recv_f, fwd_buf[jnp.maximum(rf, 0)]))
             bwd_buf = bwd_buf.at[jnp.maximum(rb, 0)].set(jnp.where(rb >= 0, recv_b, bwd_buf[jnp.maximum(rb, 0)]))
-            return (fwd_buf, bwd_buf, stash, g_blocks, g_shared, loss_acc + loss), None
+            return (fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss), None
 
-        # The stash's leaves: shapes (and manual-axis types) from an abstract trace of F.
         rows = {k: jnp.asarray(a) for k, a in table.rows.items()}
         with activation_rules(mesh, rules, param_fn=param_fn, tp=tp, compute_dtype=cfg.model.dtype):
             z = rows["f_mb"][0][stage] * 0  # an index that varies over `stage` as the tick's do
+            if table.split:  # the taps' shapes, from a recording trace of the chunk
+                with split_backward(None) as rec:
+                    jax.make_jaxpr(lambda x: chunk_forward(chunk_params(z), shared, x, micro[z, :, :-1], z > 0))(
+                        zeros(act_shape))
+                for k_, (xs, xd, gs, gd, ax, ws) in rec.shapes.items():
+                    taps[k_] = (xs, xd, gs, gd, tuple(sorted({*ax, *data_axes, STAGE})), ws)
+            # The stash's leaves: shapes (and manual-axis types) from an abstract trace of F.
             saved_avals = jax.make_jaxpr(lambda x: forward(x, z, z)[1])(zeros(act_shape)).out_avals
             residuals.clear()
             # (A stash slot varies over `stage`, whatever its value does: the tables differ per stage.)
             stash = tuple(zeros((table.stash, *a.shape), a.dtype, tuple(sorted({*_aval_axes(a), *data_axes, STAGE})))
                           for a in saved_avals)
+            wstash = {k_: (zeros((table.wstash, n_chunk_layers, *xs), xd, ax), zeros((table.wstash, n_chunk_layers, *gs), gd, ax))
+                      for k_, (xs, xd, gs, gd, ax, _) in taps.items()}
             f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
-            carry = (zeros((table.fwd_slots, *act_shape)), zeros((table.bwd_slots, *act_shape)), stash,
-                     f32_like(jax.tree.map(lambda w, dim, s: _seed(w, dim + 1, d) if s else w, blocks, block_dims,
-                                           block_mask)), f32_like(diff_shared()),
+            carry = (zeros((table.fwd_slots, *act_shape)), zeros((table.bwd_slots, *act_shape)), stash, wstash,
+                     flat(f32_like(jax.tree.map(lambda w, dim, s: _seed(w, dim + 1, d) if s else w, blocks, block_dims,
+                                                block_mask))), f32_like(diff_shared()),
                      zeros((), jnp.float32, (*data_axes, STAGE)))
-            (_, _, _, g_blocks, g_shared, loss), _ = jax.lax.scan(tick, carry, rows)
+            (_, _, _, _, g_blocks, g_shared, loss), _ = jax.lax.scan(tick, carry, rows)
+        g_blocks = unflat(g_blocks)
         # The one reduction per step, after the tick loop.
         g_blocks = jax.tree.map(lambda g, w, dim: reduce_data(g.reshape(-1, *g.shape[2:]), dim).astype(w.dtype),
                                 g_blocks, params["blocks"], layout.zero_dims["blocks"])
