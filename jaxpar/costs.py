@@ -225,6 +225,16 @@ def _activations(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool, flas
             "layer_saved": int(c + e * rows), "layer_all": int(c0 + e0 * rows)}
 
 
+def _tap_width(m, t: int) -> int:
+    """Per token and layer, the elements of every weight matmul's input and output cotangent (what
+    the split backward's I keeps for W), tensor-parallel dims divided by t."""
+    qkv = (m.n_heads + 2 * m.kv_heads) * m.head_dim // t
+    attn = 3 * m.d_model + qkv + 2 * (m.n_heads * m.head_dim // t) + m.d_model
+    mats = 3 if m.arch == "llama" else 2  # up (and gate) and down
+    mlp = (mats - 1) * (m.d_model + m.d_ff // t) + m.d_ff // t + m.d_model
+    return attn + mlp
+
+
 def _schedule(cfg: Config, p: int):
     par = cfg.parallel
     return _cached_schedule(par.schedule, p, par.microbatches, par.virtual_stages)
@@ -320,7 +330,15 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # The last stage's chunk runs the head and the loss too: the most any stage saves.
         act = _activations(chunk, rows, t, sp, par.remat, True, flash)
         msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * _BYTES[m.dtype]
-        buffers = (table.stash + table.fwd_slots + table.bwd_slots) * msg
+        # F stashes what B needs (the chunk's saved activations, less its parameters, and the
+        # slot for the head's cotangent); with a split table, I stashes each weight matmul's
+        # input and output cotangent for W.
+        # Measured on CPU: XLA holds a second copy of a stash slot of residuals (not of a slot of
+        # layer inputs, `full`); not yet explained, DESIGN.md §9.
+        copies = 1 if par.remat == "full" else 2
+        taps = rows * m.seq_len * layers * _tap_width(m, t) * _BYTES[m.dtype] if table.split else 0
+        buffers = ((table.fwd_slots + table.bwd_slots) * msg + table.stash * (copies * act["layers"] + msg)
+                   + (table.wstash + 2) * taps)  # + F's zero taps and I's output, per tick
         grads = st["local"] * (f32 + g)
     grads += upcast
     logits = rows * m.seq_len * m.padded_vocab // t * 4
@@ -337,7 +355,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # XLA's CPU backend materializes them: the saved values as traced, and the logits'
         # cotangent as a working set of its own (measured on CPU).
         head, working = act["outside"], logits
-    saved = act["layers"] + head
+    saved = (act["layers"] if p == 1 else 0) + head  # (a pipeline's are in its stash)
     if p == 1:
         # With microbatches every one runs inside the accumulation loop: one microbatch's
         # activations at a time.
@@ -489,7 +507,7 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     """Megatron's activation collectives over `model`: per layer and microbatch, one closing each
     sub-layer each way (all-reduce of b·s·h; under SP an all-gather of b·s·h and a reduce-scatter
     to b·s·h/t), the vocab-parallel embedding's and head's, and again for every recomputed forward
-    (remat `full`; a pipeline's B recomputes its chunk). Remat `dots` saves the matmul outputs but
+    (remat `full`; a pipeline's B runs from what F saved). Remat `dots` saves the matmul outputs but
     not an all-gathered input, so under SP the backward pass gathers again. Small ones: the
     gradients of kv projections replicated over `model` (n_kv_heads < t) and, under SP, of the
     norms, all-reduced per layer."""
@@ -497,7 +515,7 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     micro = par.microbatches
     A = rows * m.seq_len * m.d_model * act_size
     L = m.n_layers // p
-    forwards = 1 + (par.remat == "full") + (p > 1)  # forward passes of each layer per microbatch
+    forwards = 1 + (par.remat == "full")  # forward passes of each layer per microbatch
     out = []
     if sp:
         gathers = forwards + 1 + (par.remat == "dots")
@@ -533,15 +551,14 @@ def model_flops_per_token(cfg: Config) -> float:
 def hardware_flops_per_token(cfg: Config, p: int) -> float:
     """FLOPs the devices run per token: the model FLOPs, GPT-2's tied output projection (2·d·V
     forward, twice that backward, outside N), and the recomputed forwards: remat `full`
-    recomputes every block (2·N + 4·L·d·S), `dots` the attention core (4·L·d·S); a pipeline's B
-    recomputes its chunk's forward from the stash (once more)."""
+    recomputes every block (2·N + 4·L·d·S), `dots` the attention core (4·L·d·S). A pipeline adds
+    nothing: B (or I and W) runs from what F saved."""
     m, remat = cfg.model, cfg.parallel.remat
     n = model.count_params(m, embeddings=False)
     attn_fwd = 4 * m.n_layers * m.d_model * m.seq_len
     total = model_flops_per_token(cfg) + (6 * m.d_model * m.padded_vocab if m.arch == "gpt2" else 0)
     forward = 2 * n + attn_fwd
-    total += {"none": 0, "full": forward, "dots": attn_fwd}[remat] * (1 + (p > 1 and remat == "full"))
-    return total + (forward if p > 1 else 0)
+    return total + {"none": 0, "full": forward, "dots": attn_fwd}[remat]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -645,12 +662,14 @@ def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[st
     full, dots = par.remat == "full", par.remat == "dots"
     if par.sequence_parallel:
         regather = 2 * Lc * (full or dots)
-        gathers = 2 * Lc + (4 * Lc + 1 + regather) + (4 * Lc + 2 + regather)
-        scatters = (1 + 2 * Lc) + (4 * Lc + 2 * Lc * full) + (2 + 4 * Lc + 2 * Lc * full)
+        # F: the chunk forward, the head's input gather and (its backward) scatter, the
+        # embedding's scatter; B or I: the chunk backward (and what remat recomputes).
+        gathers = (2 * Lc + 1) + (2 * Lc + regather + 2 * Lc * full)
+        scatters = (1 + 2 * Lc + 1) + (2 * Lc + 2 * Lc * full)
         static = ticks * (gathers * A + scatters * A / t)
     else:
         again = 2 * Lc * full
-        static = ticks * A * ((1 + 2 * Lc) + (4 * Lc + again) + (2 + 4 * Lc + again))
+        static = ticks * A * ((1 + 2 * Lc + 1) + (2 * Lc + again))
     executed = sum(c.bytes * c.count for c in _tensor_collectives(cfg, rows, t, par.sequence_parallel, _BYTES[m.dtype], p)
                    if c.bytes >= A / t)
     out["model"] += static - executed

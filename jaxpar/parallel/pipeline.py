@@ -220,13 +220,22 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
 
             y, pullback = jax.vjp(f, rest, sh, x_in, zero_taps() if table.split else None)
             leaves, treedef = jax.tree.flatten(pullback)
+            # Each residual is a parameter ("p", its index among the inputs) or an activation
+            # ("s", its stash leaf), stashed once however many times the pullback refers to it
+            # (e.g. one layer input saved by the q, k and v matmuls).
             known = {id(w): i for i, w in enumerate(_param_leaves(full_bl, diff, shared, sh))}
-            where = tuple(known.get(id(r)) for r in leaves)
+            stashed, where = {}, []
+            for r in leaves:
+                if id(r) in known:
+                    where.append(("p", known[id(r)]))
+                else:
+                    where.append(("s", stashed.setdefault(id(r), (len(stashed), r))[0]))
+            where = tuple(where)
             if "treedef" not in residuals:
                 residuals.update(treedef=treedef, where=where)
             elif (treedef, where) != (residuals["treedef"], residuals["where"]):
                 raise AssertionError("the chunk's residuals differ between traces of F")
-            return y, tuple(r for r, i in zip(leaves, where) if i is None)
+            return y, tuple(r for _, r in stashed.values())
 
         def forward(x_in, mb, k):
             """F: the chunk's output, its residuals, and on the last chunk the loss and its
@@ -254,8 +263,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             *saved, dy = saved
             full_bl = chunk_params(k)
             inputs = _param_leaves(full_bl, flat(diff_blocks(full_bl)), shared, diff_shared())
-            it = iter(saved)
-            leaves = [next(it) if i is None else inputs[i] for i in residuals["where"]]
+            leaves = [inputs[i] if kind == "p" else saved[i] for kind, i in residuals["where"]]
             pullback = jax.tree.unflatten(residuals["treedef"], leaves)
             d_rest, dsh, dx, d_taps = pullback(jnp.where(ends(k)[1], dy, cot))
             return d_rest, dsh, dx, d_taps
@@ -289,18 +297,18 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             # order is its data flow: B reads the stash before F's write replaces a freed slot.
             def run_f():
                 y, saved, dsh, loss = forward(x_f, fmb, fk)
-                return y, tuple(vary(n, varying_axes(s)) for n, s in zip(saved, stash)), dsh, loss
+                return y, tuple(vary(n, varying_axes(g)) for n, g in zip(saved, stash)), dsh, loss
 
             y, saved, dsh_f, loss = jax.lax.cond(
                 fv > 0, run_f,
-                lambda: (zeros_like_varying(x_f), tuple(zeros_like_varying(s[0]) for s in stash),
+                lambda: (zeros_like_varying(x_f), tuple(zeros_like_varying(g[0]) for g in stash),
                          jax.tree.map(zeros_like_varying, diff_shared()),
                          zeros((), jnp.float32, (*data_axes, STAGE))))
-            saved_b = tuple(s[row["b_stash"][stage] + row["i_stash"][stage]] for s in stash)
-            cot = bwd_buf[row["b_in"][stage] + row["i_in"][stage]]
+            saved_b = tuple(g[row["b_stash"][stage] + row["i_stash"][stage]] for g in stash)
             if poison_idle:
                 saved_b = tuple(jnp.where(bv + iv > 0, s, jnp.nan) if jnp.issubdtype(s.dtype, jnp.floating) else s
                                 for s in saved_b)
+            cot = bwd_buf[row["b_in"][stage] + row["i_in"][stage]]
 
             def run_b():
                 d_rest, dsh, dx, d_taps = backward(saved_b, cot, bk)
@@ -356,7 +364,8 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             # (A stash slot varies over `stage`, whatever its value does: the tables differ per stage.)
             stash = tuple(zeros((table.stash, *a.shape), a.dtype, tuple(sorted({*_aval_axes(a), *data_axes, STAGE})))
                           for a in saved_avals)
-            wstash = {k_: (zeros((table.wstash, n_chunk_layers, *xs), xd, ax), zeros((table.wstash, n_chunk_layers, *gs), gd, ax))
+            wstash = {k_: (zeros((table.wstash, n_chunk_layers, *xs), xd, ax),
+                           zeros((table.wstash, n_chunk_layers, *gs), gd, ax))
                       for k_, (xs, xd, gs, gd, ax, _) in taps.items()}
             f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
             carry = (zeros((table.fwd_slots, *act_shape)), zeros((table.bwd_slots, *act_shape)), stash, wstash,
