@@ -20,6 +20,8 @@ from jaxpar.train.step import build, lower_step
 
 FACTORIZATIONS = [(d, p, 8 // (d * p)) for d in (1, 2, 4, 8) for p in (1, 2, 4, 8) if 8 % (d * p) == 0]
 SCHEDULES = ("gpipe", "1f1b", "1f1b_one_action", "interleaved_1f1b")
+# Added later, their cases appended (the architecture of the earlier cases stays as it was).
+LATER_SCHEDULES = ("zb_h1", "1f1b_lockstep")
 # ZeRO stages; stage 3 once per `parallel.zero3_gather` placement.
 ZEROS = ((0, None), (1, None), (2, None), (3, "microbatch"), (3, "step"))
 
@@ -28,11 +30,12 @@ def matrix():
     """(d, p, t, schedule, zero, zero3_gather, arch): schedules only where p > 1 (None: no pipeline,
     two microbatches of gradient accumulation); the architecture alternates so both meet every axis."""
     cases = []
-    for d, p, t in FACTORIZATIONS:
-        for schedule in (SCHEDULES if p > 1 else (None,)):
-            for zero, gather in ZEROS:
-                arch = ("llama", "gpt2")[len(cases) % 2]
-                cases.append((d, p, t, schedule, zero, gather, arch))
+    for schedules in (SCHEDULES, LATER_SCHEDULES):
+        for d, p, t in FACTORIZATIONS:
+            for schedule in (schedules if p > 1 else (None,) if schedules is SCHEDULES else ()):
+                for zero, gather in ZEROS:
+                    arch = ("llama", "gpt2")[len(cases) % 2]
+                    cases.append((d, p, t, schedule, zero, gather, arch))
     return cases
 
 
@@ -50,6 +53,9 @@ DEFAULT = [
     (2, 4, 1, "gpipe", 2, None, "llama"),
     (1, 4, 2, "1f1b_one_action", 1, None, "llama"),
     (1, 8, 1, "1f1b", 0, None, "llama"),
+    (2, 2, 2, "zb_h1", 3, "microbatch", "gpt2"),
+    (4, 2, 1, "zb_h1", 2, None, "llama"),
+    (2, 4, 1, "1f1b_lockstep", 1, None, "llama"),
 ]
 FULL = matrix()
 assert all(c in FULL for c in DEFAULT)
@@ -103,7 +109,8 @@ def test_composition_matches_single_device_full_matrix(case):
 def test_the_matrix_covers_every_factorization_schedule_and_zero_stage():
     assert len(FACTORIZATIONS) == 10 and all(d * p * t == 8 for d, p, t in FACTORIZATIONS)
     assert {(c[0], c[1], c[2]) for c in FULL} == set(FACTORIZATIONS)
-    assert {(c[3], c[4], c[5]) for c in FULL if c[1] > 1} == {(s, z, g) for s in SCHEDULES for z, g in ZEROS}
+    assert {(c[3], c[4], c[5]) for c in FULL if c[1] > 1} == {(s, z, g) for s in SCHEDULES + LATER_SCHEDULES
+                                                                for z, g in ZEROS}
     for i in range(7):  # and the default third reaches every value of every dimension
         assert {c[i] for c in DEFAULT} == {c[i] for c in FULL}, i
 
