@@ -42,7 +42,9 @@ unpipelined steps) take turns, one step each per round, the order reversed every
 a barrier of the 4 ranks before the step to a barrier after the optimizer step on every rank; a
 jaxpar step from dispatch to `jax.block_until_ready` of the new state and metrics, on prebuilt
 batches. Process CPU time (user + sys, all threads; summed over the 4 torch ranks) is recorded
-beside each.
+beside each and tabled too: when other work shares the cores it moves less than wall time, and
+wall time under load also depends on how many runnable threads each program has (the kernel
+shares a core per thread: 4 torch ranks of 1 thread, jaxpar's pool of 32).
 
 Memory, after the timed rounds, on `--mem-steps` extra steps per configuration (not timed): glibc's
 free memory is returned with `malloc_trim(0)`, the peak-RSS mark is reset (`echo 5 >
@@ -644,6 +646,17 @@ def markdown(rows: list[dict], plain: dict, args, machine: dict, load: dict, com
             f"{r['schedule']} ({r['torch_schedule']})", str(r["m"]), f"{tp:.3f}", f"{jp:.3f}", f"{jp / tp:.2f}",
             f"{tu:.3f}", f"{ju:.3f}", f"{tp / tu:.2f}", f"{jp / ju:.2f}",
             f"{mib(max(tm))} ({mib(sum(tm))})", mib(r["jaxpar_temp_bytes"]), mib(r["jaxpar_rss_growth"])]) + " |")
+    head = ["jaxpar schedule (torch)", "m", "torch pipe CPU s", "jaxpar pipe CPU s", "jaxpar / torch",
+            "torch unpipelined CPU s", "jaxpar unpipelined CPU s", "torch pipe / unpipelined",
+            "jaxpar pipe / unpipelined"]
+    lines += ["", "CPU seconds per step (process user + sys, all threads; the 4 torch ranks summed), medians of the "
+              "same steps:", "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for r in rows:
+        u = plain[f"m{r['m']}"]
+        tp, jp, tu, ju = r["torch_cpu_s"], r["jaxpar_cpu_s"], u["torch_cpu_s"], u["jaxpar_cpu_s"]
+        lines.append("| " + " | ".join([
+            f"{r['schedule']} ({r['torch_schedule']})", str(r["m"]), f"{tp:.3f}", f"{jp:.3f}", f"{jp / tp:.2f}",
+            f"{tu:.3f}", f"{ju:.3f}", f"{tp / tu:.2f}", f"{jp / ju:.2f}"]) + " |")
     sh = {k: getattr(args, k.replace("-", "_")) for k in SHAPES}
     note = (f"\nModel: llama, {sh['layers']} layers, d_model {sh['d-model']}, {sh['heads']} heads ({sh['kv-heads']} kv), "
             f"d_ff {sh['d-ff']}, vocab {sh['vocab']}, seq {sh['seq']}, float32, AdamW, clip 1.0, remat none; "
