@@ -1,6 +1,6 @@
 """jaxpar's pipeline against PyTorch's `torch.distributed.pipelining`, same model, same cores.
 
-    python benchmarks/torch_pipeline.py [--microbatches 4 8 16] [--schedules 1f1b gpipe] [--rounds 10]
+    python benchmarks/torch_pipeline.py [--microbatches 4 8 16] [--schedules 1f1b gpipe] [--rounds 20]
         [--warmup 2] [--mem-steps 2] [--torch-threads 4] [--quick] [--out FILE.json]
 
 The model, in both frameworks: llama, 8 layers, d_model 256, 8 heads (8 kv heads: plain multi-head
@@ -42,9 +42,9 @@ unpipelined steps) take turns, one step each per round, the order reversed every
 a barrier of the 4 ranks before the step to a barrier after the optimizer step on every rank; a
 jaxpar step from dispatch to `jax.block_until_ready` of the new state and metrics, on prebuilt
 batches. Process CPU time (user + sys, all threads; summed over the 4 torch ranks) is recorded
-beside each and tabled too: when other work shares the cores it moves less than wall time, and
-wall time under load also depends on how many runnable threads each program has (the kernel
-shares a core per thread: 4 torch ranks of 1 thread, jaxpar's pool of 32).
+beside each and tabled too: when other work shares the cores, the share this run gets changes
+from second to second and moves wall time far more than CPU time (both are medians over the same
+steps; the CPU figures also count pool threads that spin while they wait).
 
 Memory, after the timed rounds, on `--mem-steps` extra steps per configuration (not timed): glibc's
 free memory is returned with `malloc_trim(0)`, the peak-RSS mark is reset (`echo 5 >
@@ -102,7 +102,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"],
                    help="jaxpar schedules (parallel.schedule), each against torch's Schedule1F1B, or ScheduleGPipe "
                         "for gpipe; one that jaxpar's config refuses is skipped (default: 1f1b gpipe)")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds, one step per configuration each (default 10)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds, one step per configuration each (default 20)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration after compiling (default 2)")
     p.add_argument("--mem-steps", type=int, default=None, help="untimed memory steps per configuration (default 2)")
     p.add_argument("--torch-threads", type=int, default=4, help="threads of the torch unpipelined step (default 4)")
@@ -123,7 +123,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, (QUICK if quick else SHAPES)[name])
     args.microbatches = args.microbatches or ([4] if quick else [4, 8, 16])
-    args.rounds = args.rounds if args.rounds is not None else (2 if quick else 10)
+    args.rounds = args.rounds if args.rounds is not None else (2 if quick else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
     args.mem_steps = args.mem_steps if args.mem_steps is not None else (1 if quick else 2)
     if args.rounds < 1 or args.warmup < 0 or args.mem_steps < 0 or min(args.microbatches) < P:
@@ -632,7 +632,7 @@ def mib(x: float | None) -> str:
 
 
 def markdown(rows: list[dict], plain: dict, args, machine: dict, load: dict, command: str) -> str:
-    head = ["jaxpar schedule (torch)", "m", "torch pipe s", "jaxpar pipe s", "jaxpar / torch", "torch unpipelined s",
+    head = ["jaxpar schedule (torch)", "m", "torch pipe s", "jaxpar pipe s", "jaxpar / torch (paired)", "torch unpipelined s",
             "jaxpar unpipelined s", "torch pipe / unpipelined", "jaxpar pipe / unpipelined",
             "torch peak RSS growth MB, max stage (sum of 4)", "jaxpar temp MB per device (XLA)",
             "jaxpar process RSS growth MB (4 devices)"]
@@ -643,7 +643,8 @@ def markdown(rows: list[dict], plain: dict, args, machine: dict, load: dict, com
         tu, ju = u["torch_median_s"], u["jaxpar_median_s"]
         tm = r["torch_rss_growth_per_stage"]
         lines.append("| " + " | ".join([
-            f"{r['schedule']} ({r['torch_schedule']})", str(r["m"]), f"{tp:.3f}", f"{jp:.3f}", f"{jp / tp:.2f}",
+            f"{r['schedule']} ({r['torch_schedule']})", str(r["m"]), f"{tp:.3f}", f"{jp:.3f}",
+            f"{jp / tp:.2f} ({r['jaxpar_over_torch_paired']:.2f})",
             f"{tu:.3f}", f"{ju:.3f}", f"{tp / tu:.2f}", f"{jp / ju:.2f}",
             f"{mib(max(tm))} ({mib(sum(tm))})", mib(r["jaxpar_temp_bytes"]), mib(r["jaxpar_rss_growth"])]) + " |")
     head = ["jaxpar schedule (torch)", "m", "torch pipe CPU s", "jaxpar pipe CPU s", "jaxpar / torch",
@@ -663,7 +664,8 @@ def markdown(rows: list[dict], plain: dict, args, machine: dict, load: dict, com
             f"microbatches of {MICRO} sequences, p = {P}. torch pipe: 4 gloo processes x 1 thread; torch "
             f"unpipelined: 1 process x {args.torch_threads} threads; jaxpar: 4 simulated CPU devices in one "
             f"process, (1, 4, 1) pipelined, (4, 1, 1) ZeRO-0 unpipelined. Medians of {args.rounds} steps per "
-            f"configuration, taken in turns (ABBA rounds) after {args.warmup} warm-up steps. Memory: VmHWM "
+            f"configuration, taken in turns (ABBA rounds) after {args.warmup} warm-up steps; (paired): the median of "
+            f"the per-round ratios of the two adjacent pipeline steps. Memory: VmHWM "
             f"growth over one untimed step after malloc_trim (max of {args.mem_steps}); torch per rank = per "
             f"stage, jaxpar per process = all 4 stages; XLA temp = compiled.memory_analysis().temp_size_in_bytes.\n\n"
             f"Measured {machine.get('date')} on {machine.get('cpu_count')} shared CPU cores "
@@ -757,6 +759,9 @@ def drive(args) -> int:
             return None
         return [max(col) for col in zip(*g)] if isinstance(g[0], list) else max(g)
 
+    def paired(a, b, field):  # the median of the per-round ratios (the two steps of a round are adjacent)
+        return statistics.median(x[field] / y[field] for x, y in zip(times[a], times[b]))
+
     rows, plain = [], {}
     for m in args.microbatches:
         tk = ("torch-plain", f"m{m}")
@@ -779,6 +784,7 @@ def drive(args) -> int:
                 "schedule": s, "torch_schedule": ready["torch-pipe"]["schedules"][ts], "m": m,
                 "global_batch": MICRO * m, "torch_median_s": med(*tk), "jaxpar_median_s": med(*jk),
                 "jaxpar_over_torch": med(*jk) / med(*tk),
+                "jaxpar_over_torch_paired": paired(jk, tk, "s"), "jaxpar_over_torch_cpu_paired": paired(jk, tk, "cpu_s"),
                 "torch_pipe_over_unpipelined": med(*tk) / plain[f"m{m}"]["torch_median_s"],
                 "jaxpar_pipe_over_unpipelined": med(*jk) / plain[f"m{m}"]["jaxpar_median_s"],
                 "torch_cpu_s": cpu(*tk), "jaxpar_cpu_s": cpu(*jk),
