@@ -36,9 +36,11 @@ for torch, jaxpar's synthetic source for jaxpar: the cost does not depend on the
 before timing loads jaxpar's initial parameters into the torch model and compares the two losses on
 one batch (same maths: NeoX-style RoPE halves, RMSNorm eps 1e-5, causal softmax attention).
 
-Timing: per m, the configurations (torch pipe and jaxpar pipe for each schedule, and the two
-unpipelined steps) take turns, one step each per round, the order reversed every other round
-(ABBA), for `--rounds` rounds; the medians are reported. A torch pipe step is timed on rank 0 from
+Timing: every configuration (torch pipe and jaxpar pipe for each schedule and m, and the two
+unpipelined steps for each m) takes one step per round, in a fixed order reversed every other
+round (ABBA), for `--rounds` rounds, so that all see the same mix of load from other work; a
+schedule's torch and jaxpar steps are adjacent in every round. Medians are reported, and the
+median of the per-round jaxpar / torch ratios ("paired"). A torch pipe step is timed on rank 0 from
 a barrier of the 4 ranks before the step to a barrier after the optimizer step on every rank; a
 jaxpar step from dispatch to `jax.block_until_ready` of the new state and metrics, on prebuilt
 batches. Process CPU time (user + sys, all threads; summed over the 4 torch ranks) is recorded
@@ -720,8 +722,10 @@ def drive(args) -> int:
         pipe_keys = [k for k in ready["jaxpar-pipe"]["configs"]]
         times: dict[tuple, list] = {}
         loads = []
+        # Every round takes one step of every configuration (all m), so that each sees the same mix
+        # of load from other work; a schedule's torch and jaxpar steps are adjacent in every round.
+        entries = []
         for m in args.microbatches:
-            entries = []
             for s in args.schedules:
                 if f"{s}/m{m}" in pipe_keys:
                     t_entry = ("torch-pipe", f"{torch_schedule_of(s)}/m{m}")
@@ -729,13 +733,15 @@ def drive(args) -> int:
                         entries.append(t_entry)
                     entries.append(("jaxpar-pipe", f"{s}/m{m}"))
             entries += [("torch-plain", f"m{m}"), ("jaxpar-dp", f"m{m}")]
-            for i in range(args.rounds):
-                for kind, key in (entries if i % 2 == 0 else entries[::-1]):
-                    times.setdefault((kind, key), []).append(workers[kind].ask("step", cmd="step", key=key))
-                loads.append(os.getloadavg())
+        for i in range(args.rounds):
+            for kind, key in (entries if i % 2 == 0 else entries[::-1]):
+                times.setdefault((kind, key), []).append(workers[kind].ask("step", cmd="step", key=key))
+            loads.append(os.getloadavg())
+            print(f"round {i + 1}/{args.rounds}: load {loads[-1][0]:.1f}", flush=True)
+        for m in args.microbatches:
             summary = ", ".join(f"{kind} {key} {statistics.median(x['s'] for x in times[(kind, key)]):.3f} s"
-                                for kind, key in entries)
-            print(f"m={m}: {summary}; load {loads[-1][0]:.1f}", flush=True)
+                                for kind, key in entries if key.endswith(f"m{m}"))
+            print(f"m={m}: {summary}", flush=True)
         mem: dict[tuple, list] = {}
         for (kind, key) in times:
             mem[(kind, key)] = [workers[kind].ask("mem", cmd="mem", key=key) for _ in range(args.mem_steps)]
