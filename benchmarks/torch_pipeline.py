@@ -9,8 +9,8 @@ attention), d_ff 704, vocab 1024, seq_len 128, float32, AdamW (b1 0.9, b2 0.95, 
 decay 0.1 on matrices and embeddings only), global-norm gradient clipping at 1.0, no
 rematerialisation. A microbatch is 2 sequences; a step of m microbatches is 2·m sequences.
 
-Four programs (the torch model and workers are in `torch_llama.py`), each in its own process(es), all alive at once and each compiled / warmed up before
-any timing:
+Four programs, each in its own process(es), all alive at once and each compiled / warmed up
+before any timing (the torch model and workers are in `torch_llama.py`):
 
 - torch pipe: `torch.distributed.pipelining`, 4 gloo processes on this machine (MASTER_ADDR
   127.0.0.1), `torch.set_num_threads(1)` each; rank s holds layers [2s, 2s+2) in a manual
