@@ -1,7 +1,7 @@
 """jaxpar's pipeline against PyTorch's `torch.distributed.pipelining`, same model, same cores.
 
     python benchmarks/torch_pipeline.py [--microbatches 4 8 16] [--schedules 1f1b gpipe] [--rounds 20]
-        [--warmup 2] [--mem-steps 2] [--torch-threads 4] [--quick] [--out FILE.json]
+        [--warmup 2] [--mem-steps 2] [--torch-threads 4] [--jaxpar-pool N] [--quick] [--out FILE.json]
     python benchmarks/torch_pipeline.py --render FILE.json     # rewrite FILE.md from FILE.json
 
 The model, in both frameworks: llama, 8 layers, d_model 256, 8 heads (8 kv heads: plain multi-head
@@ -112,6 +112,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per configuration after compiling (default 2)")
     p.add_argument("--mem-steps", type=int, default=None, help="untimed memory steps per configuration (default 2)")
     p.add_argument("--torch-threads", type=int, default=4, help="threads of the torch unpipelined step (default 4)")
+    p.add_argument("--jaxpar-pool", type=int, default=None,
+                   help="PJRT_NPROC for both jaxpar programs (default: as jaxpar.mesh.use_cpu_devices sizes each: 32 "
+                        "threads for the pipeline, 4 for ZeRO-0 data parallelism; fewer than jaxpar asks for can "
+                        "hang a pipeline)")
     p.add_argument("--no-check", action="store_true", help="skip the torch-vs-jaxpar loss check")
     p.add_argument("--quick", action="store_true", help="smoke run: m = 4, a small model, 2 rounds, nothing written")
     p.add_argument("--render", default=None, metavar="FILE.json",
@@ -319,6 +323,8 @@ class Worker:
         env["PYTHONPATH"] = os.pathsep.join([repo] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         for var in ("PJRT_NPROC", "NPROC", "XLA_FLAGS"):
             env.pop(var, None)
+        if kind.startswith("jaxpar") and args.jaxpar_pool:
+            env["PJRT_NPROC"] = str(args.jaxpar_pool)  # use_cpu_devices keeps a PJRT_NPROC already set
         self.kind, self.others = kind, []
         if kind.startswith("torch"):
             n = "1" if kind == "torch-pipe" else str(args.torch_threads)
@@ -380,14 +386,15 @@ def render(path: str) -> int:
     a = argparse.Namespace(**{k: r["model"][k] for k in (x.replace("-", "_") for x in SHAPES)}, rounds=r["rounds"],
                            warmup=r["warmup"], mem_steps=r["mem_steps"], torch_threads=r["torch_threads_unpipelined"])
     table = markdown(r["rows"], r["unpipelined"], a, r["machine"], dict(r["loadavg"], torch_version=r["torch_version"]),
-                     r["command"])
+                     r["command"], r.get("jaxpar_pool_threads"))
     Path(path).with_suffix(".md").write_text("# jaxpar's pipeline against torch.distributed.pipelining (CPU)\n\n"
                                              + table)
     print(table)
     return 0
 
 
-def markdown(rows: list[dict], plain: dict, args, machine: dict, load: dict, command: str) -> str:
+def markdown(rows: list[dict], plain: dict, args, machine: dict, load: dict, command: str,
+             pools: dict | None = None) -> str:
     head = ["jaxpar schedule (torch)", "m", "torch pipe s", "jaxpar pipe s", "jaxpar / torch (paired)", "torch unpipelined s",
             "jaxpar unpipelined s", "torch pipe / unpipelined", "jaxpar pipe / unpipelined",
             "torch peak RSS growth MB, max stage (sum of 4)", "jaxpar temp MB per device (XLA)",
@@ -419,7 +426,9 @@ def markdown(rows: list[dict], plain: dict, args, machine: dict, load: dict, com
             f"d_ff {sh['d-ff']}, vocab {sh['vocab']}, seq {sh['seq']}, float32, AdamW, clip 1.0, remat none; "
             f"microbatches of {MICRO} sequences, p = {P}. torch pipe: 4 gloo processes x 1 thread; torch "
             f"unpipelined: 1 process x {args.torch_threads} threads; jaxpar: 4 simulated CPU devices in one "
-            f"process, (1, 4, 1) pipelined, (4, 1, 1) ZeRO-0 unpipelined. Medians of {args.rounds} steps per "
+            f"process, (1, 4, 1) pipelined, (4, 1, 1) ZeRO-0 unpipelined"
+            + (f" (CPU client pools of {pools.get('jaxpar-pipe')} and {pools.get('jaxpar-dp')} threads)" if pools else "")
+            + f". Medians of {args.rounds} steps per "
             f"configuration, taken in turns (ABBA rounds) after {args.warmup} warm-up steps; (paired): the median of "
             f"the per-round ratios of the two adjacent pipeline steps. Memory: VmHWM "
             f"growth over one untimed step after malloc_trim (max of {args.mem_steps}); torch per rank = per "
@@ -562,7 +571,8 @@ def drive(args) -> int:
                 "torch_last_loss": times[tk][-1]["loss"], "jaxpar_last_loss": times[jk][-1]["loss"]})
 
     machine = ready["jaxpar-pipe"].get("machine") or ready["jaxpar-dp"]["machine"]
-    table = markdown(rows, plain, args, machine, load, command)
+    table = markdown(rows, plain, args, machine, load, command,
+                     {k: ready[k].get("pool_threads") for k in ("jaxpar-pipe", "jaxpar-dp")})
     print(table)
     result = {
         "benchmark": "torch_pipeline", "date": machine["date"], "command": command, "machine": machine,
@@ -572,6 +582,7 @@ def drive(args) -> int:
         "microbatch_sequences": MICRO, "stages": P, "rounds": args.rounds, "warmup": args.warmup,
         "mem_steps": args.mem_steps, "torch_threads_unpipelined": args.torch_threads,
         "jaxpar_pool_threads": {k: ready[k].get("pool_threads") for k in ("jaxpar-pipe", "jaxpar-dp")},
+        "jaxpar_pool_flag": args.jaxpar_pool,
         "refused": refused, "loss_check": check,
         "timing": ("configurations taken in turns, one step each per round, order reversed every other round; "
                    "torch pipe: rank 0, barrier to barrier around the pipeline step + clipping + AdamW on every rank; "
