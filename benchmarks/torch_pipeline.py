@@ -397,8 +397,8 @@ def markdown(rows: list[dict], plain: dict, args, machine: dict, load: dict, com
              pools: dict | None = None) -> str:
     head = ["jaxpar schedule (torch)", "m", "torch pipe s", "jaxpar pipe s", "jaxpar / torch (paired)", "torch unpipelined s",
             "jaxpar unpipelined s", "torch pipe / unpipelined", "jaxpar pipe / unpipelined",
-            "torch peak RSS growth MB, max stage (sum of 4)", "jaxpar temp MB per device (XLA)",
-            "jaxpar process RSS growth MB (4 devices)"]
+            "torch peak RSS growth MiB, max stage (sum of 4)", "jaxpar temp MiB per device (XLA)",
+            "jaxpar process RSS growth MiB (4 devices)"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
         u = plain[f"m{r['m']}"]
