@@ -333,12 +333,11 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # F stashes what B needs (the chunk's saved activations, less its parameters, and the
         # slot for the head's cotangent); with a split table, I stashes each weight matmul's
         # input and output cotangent for W.
-        # Measured on CPU: XLA holds a second copy of a stash slot of residuals (not of a slot of
-        # layer inputs, `full`); not yet explained, DESIGN.md §9.
-        copies = 1 if par.remat == "full" else 2
         taps = rows * m.seq_len * layers * _tap_width(m, t) * _BYTES[m.dtype] if table.split else 0
-        buffers = ((table.fwd_slots + table.bwd_slots) * msg + table.stash * (copies * act["layers"] + msg)
-                   + (table.wstash + 2) * taps)  # + F's zero taps and I's output, per tick
+        buffers = ((table.fwd_slots + table.bwd_slots) * msg + table.stash * (act["layers"] + msg)
+                   + (table.wstash + (par.remat != "full")) * taps)
+        # (+ I's output before it is written, measured on CPU; with remat `full` XLA writes it
+        # into the wstash in place.)
         grads = st["local"] * (f32 + g)
     grads += upcast
     logits = rows * m.seq_len * m.padded_vocab // t * 4
@@ -361,9 +360,10 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # activations at a time.
         transient = max(recomputed, act["layer_all"] // 2, working)
     else:
-        # A chunk's backward runs inside one tick (vjp of the stashed input); measured on CPU its
-        # working set beyond the saved values is what remat recomputes, or the logits' cotangent.
-        transient = max(recomputed, working)
+        # In a tick F's residuals (one slot) exist before they are written, and B's pullback, run
+        # from another slot, makes as much again (measured on CPU); beyond that, what remat
+        # recomputes, or the logits' cotangent.
+        transient = 2 * act["layers"] + max(recomputed, working)
     saved += act["fixed"]
     gathered = 0
     if zero == 3:

@@ -231,10 +231,10 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                 else:
                     where.append(("s", stashed.setdefault(id(r), (len(stashed), r))[0]))
             where = tuple(where)
-            if "treedef" not in residuals:
-                residuals.update(treedef=treedef, where=where)
-            elif (treedef, where) != (residuals["treedef"], residuals["where"]):
+            # Each trace of the tick traces F before B, which unflattens this trace's structure.
+            if residuals and where != residuals["where"]:
                 raise AssertionError("the chunk's residuals differ between traces of F")
+            residuals.update(treedef=treedef, where=where)
             return y, tuple(r for _, r in stashed.values())
 
         def forward(x_in, mb, k):
@@ -330,14 +330,14 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                 if table.rows["b_valid"].any():
                     g_blocks = add(g_blocks, jax.lax.cond(bv > 0, lambda: weight_grads(d_taps), zero_w), bk)
                 w_slot = row["w_wstash"][stage]
-                g_blocks = add(g_blocks, jax.lax.cond(
-                    wv > 0, lambda: weight_grads({k_: (a[w_slot], b[w_slot]) for k_, (a, b) in wstash.items()}),
-                    zero_w), row["w_chunk"][stage])
-                i_slot = row["i_wstash"][stage]
-                wstash = {k_: tuple(buf.at[i_slot].set(jnp.where(iv > 0, new, buf[i_slot]))
+                dw = jax.lax.cond(
+                    wv > 0, lambda: weight_grads({k_: (a[w_slot], b[w_slot]) for k_, (a, b) in wstash.items()}), zero_w)
+                g_blocks = add(g_blocks, dw, row["w_chunk"][stage])
+                i_slot, after_w = row["i_wstash"][stage], _after(*dw.values())
+                wstash = {k_: tuple(buf.at[i_slot].set(jnp.where(iv > 0, after_w(new), buf[i_slot]))
                                     for buf, new in zip(wstash[k_], d_taps[k_])) for k_ in wstash}
-            f_slot = row["f_stash"][stage]
-            stash = tuple(s.at[f_slot].set(jnp.where(fv > 0, n, s[f_slot])) for s, n in zip(stash, saved))
+            f_slot, after_b = row["f_stash"][stage], _after(dx)
+            stash = tuple(s.at[f_slot].set(jnp.where(fv > 0, after_b(n), s[f_slot])) for s, n in zip(stash, saved))
             g_shared = jax.tree.map(lambda a, g1, g2: a + g1.astype(jnp.float32) + g2.astype(jnp.float32),
                                     g_shared, dsh_f, dsh_b)
             # One hop per tick: activations to the next stage, gradients to the previous one; the
@@ -406,6 +406,23 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         return loss, {**grads, "blocks": jax.tree.map(lambda g: _reorder(g, p, v), grads["blocks"])}
 
     return interleaved
+
+
+def _after(*read_results: jax.Array) -> Callable[[jax.Array], jax.Array]:
+    """`write -> write` made to depend on what a read of the same buffer computed (adding an exact
+    -0.0): a tick reads a stash slot (B, W) and writes another (F, I), and unless the write waits
+    for the read's consumer XLA keeps a second copy of the whole buffer, every tick (measured:
+    twice the stash's temp bytes). Integer writes are left as they are (small: token ids)."""
+    z = sum(jnp.ravel(r)[0].astype(jnp.float32) for r in read_results) if read_results else None
+
+    def dep(x: jax.Array) -> jax.Array:
+        # (Not where z varies over an axis x does not: the sum would change x's type; those
+        # leaves keep their copy, e.g. small RoPE tables under tensor parallelism.)
+        if z is None or not jnp.issubdtype(x.dtype, jnp.floating) or not set(varying_axes(z)) <= set(varying_axes(x)):
+            return x
+        zero = jnp.where(jnp.isfinite(z), -jnp.abs(z) * 0.0, -0.0)  # -0.0, never NaN: x + -0.0 == x
+        return x + vary(zero, varying_axes(x)).astype(x.dtype)
+    return dep
 
 
 def _param_leaves(*trees) -> list:
