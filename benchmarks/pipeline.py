@@ -151,8 +151,8 @@ def findings(rows: list[dict]) -> str:
         if hi["peak_stash"] != lo["peak_stash"]:
             per = (hi["temp_bytes"] - lo["temp_bytes"]) / (hi["peak_stash"] - lo["peak_stash"])
             out.append(f"{s}: temp bytes grow by {per:,.0f} B per extra stashed microbatch from m = {lo['m']} "
-                       f"to m = {hi['m']} (peak stash {lo['peak_stash']} -> {hi['peak_stash']}; one chunk input, "
-                       f"{MICRO}·seq_len·d_model float32, is {chunk:,} B)")
+                       f"to m = {hi['m']} (peak stash {lo['peak_stash']} -> {hi['peak_stash']}; a slot holds the chunk's "
+                       f"residuals, {per / chunk:.0f}x one chunk input of {MICRO}·seq_len·d_model float32, {chunk:,} B)")
         else:
             out.append(f"{s}: temp bytes change by {hi['temp_bytes'] - lo['temp_bytes']:+,} B from m = {lo['m']} to "
                        f"m = {hi['m']} ({lo['temp_bytes'] / 2**20:.2f} MiB; peak stash {hi['peak_stash']} throughout)")
@@ -184,9 +184,9 @@ def markdown(rows: list[dict], machine: dict, args, command: str, status: str | 
         f"CPU devices.\n\n"
         f"Method: the schedule columns come from `jaxpar.parallel.schedules` (`build`, `simulate`): bubble = idle "
         f"stage-time / all stage-time in lock-step ticks, each tick as long as its slowest stage (not Megatron's "
-        f"idle / ideal); peak stash = most (microbatch, chunk) pairs whose F ran and whose B has not, on the "
-        f"worst stage: the chunk inputs the stage keeps, each one microbatch's full activation even when a "
-        f"chunk is 1/v of the stage's layers (interleaved_1f1b stashes up to v per microbatch). "
+        f"idle / ideal); peak stash = most (microbatch, chunk) pairs whose F ran and whose B (or I) has not, on "
+        f"the worst stage: the slots of chunk residuals the stage keeps (interleaved_1f1b stashes up to v per "
+        f"microbatch). "
         f"1f1b_one_action runs one F or one B per stage per tick, and in steady state some stage runs a B "
         f"in every tick, so with B = 2F every tick costs 2 while the stages alternate F and B: its bubble "
         f"tends to 25%, not 0, as m grows. "
