@@ -62,11 +62,11 @@ def linear(x: jax.Array, w: jax.Array, k: int = 1) -> jax.Array:
     # The custom backward returns each cotangent with its input's manual-axis type: make both
     # inputs vary over the same axes first (the pcast's own transpose then reduces, as autodiff of
     # the einsum would have).
+    path = split.paths.get(id(w)) if split is not None else None  # (before the cast below makes a new w)
     axes = (*varying_axes(x), *varying_axes(w))
     x, w = vary(x, axes), vary(w, axes)
     if split is None:
         return checkpoint_name(_linear(x, w, k), DOT_TAG)
-    path = split.paths.get(id(w))
     if path is None:
         raise AssertionError("split backward: a weight matmul's weight is not one of the layer's parameters "
                              "as handed out (a copy was made between `use_params` and `linear`)")

@@ -274,12 +274,18 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             out = {}
             for k_, (x2, g2) in d_taps.items():
                 dw = weight_gradient(x2, g2).reshape(n_chunk_layers, *taps[k_][5]).astype(jnp.float32)
+                # A weight the matmul made varying (e.g. kv heads replicated over `model` under
+                # tensor parallelism): summed over those axes, as the cast's transpose would.
+                extra = tuple(a for a in varying_axes(dw) if a not in acc_axes[k_])
+                if extra:
+                    dw = jax.lax.psum(dw, extra)
                 if scatter_at_w and dp and dim_of[k_] >= 0 and (gather == "microbatch" or block_mask_flat[k_]):
                     dw = jax.lax.psum_scatter(dw, DATA, scatter_dimension=dim_of[k_], tiled=True)
                 out[k_] = dw
             return out
 
         block_mask_flat = flat(block_mask)
+        acc_axes = {k_: (*data_axes, *varying_axes(w)) for k_, w in flat(jax.tree.map(lambda w: w[0], blocks)).items()}
 
         def add(acc, grads, k):
             return {**acc, **{k_: acc[k_].at[k].add(g.astype(jnp.float32)) for k_, g in grads.items()}}
