@@ -81,13 +81,6 @@ def use_cpu_devices(n: int | None, cfg: Config | None = None) -> None:
     need = cpu_threads_needed(n, cfg)
     if "PJRT_NPROC" not in os.environ and need > max(cpu_threads(), n):  # read by XLA when the CPU client starts
         os.environ["PJRT_NPROC"] = str(need)
-    # XLA:CPU's concurrency-optimized scheduler let independent collectives of one device overlap
-    # such that a data-parallel reduce-scatter and a tensor-parallel collective met the wrong
-    # participants: wrong gradients or an abort, in about 1 of 3 runs of
-    # test_tensor_parallel_composes_with_zero_and_accumulation on jax 0.10.2 (none in 6 without it).
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
