@@ -102,7 +102,11 @@ def compute_rules(cfg: Config, mesh: Mesh) -> Rules:
 
 def varying_axes(x: jax.Array) -> tuple[str, ...]:
     """The manual mesh axes over which `x` (inside a shard_map) may differ."""
-    aval = jax.typeof(x)
+    return aval_varying_axes(jax.typeof(x))
+
+
+def aval_varying_axes(aval) -> tuple[str, ...]:
+    """The manual mesh axes over which values of the abstract value `aval` may differ."""
     if hasattr(aval, "manual_axis_type"):  # jax 0.10
         return tuple(sorted(aval.manual_axis_type.varying))
     return tuple(sorted(getattr(aval, "vma", ())))  # the jax 0.7 - 0.9 spelling

@@ -48,7 +48,7 @@ from jaxpar.config import Config
 from jaxpar.model.layers import split_backward, weight_gradient
 from jaxpar.parallel.zero import Layout
 from jaxpar.parallel.gradients import _seed, gather_at_use, hand_out, manual_region
-from jaxpar.sharding import Handout, activation_rules, vary, varying_axes, zeros_like_varying
+from jaxpar.sharding import Handout, activation_rules, aval_varying_axes, vary, varying_axes, zeros_like_varying
 
 DATA, STAGE, MODEL = "data", "stage", "model"
 
@@ -368,7 +368,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             saved_avals = jax.make_jaxpr(lambda x: forward(x, z, z)[1])(zeros(act_shape)).out_avals
             residuals.clear()
             # (A stash slot varies over `stage`, whatever its value does: the tables differ per stage.)
-            stash = tuple(zeros((table.stash, *a.shape), a.dtype, tuple(sorted({*_aval_axes(a), *data_axes, STAGE})))
+            stash = tuple(zeros((table.stash, *a.shape), a.dtype, tuple(sorted({*aval_varying_axes(a), *data_axes, STAGE})))
                           for a in saved_avals)
             wstash = {k_: (zeros((table.wstash, n_chunk_layers, *xs), xd, ax),
                            zeros((table.wstash, n_chunk_layers, *gs), gd, ax))
@@ -434,13 +434,6 @@ def _after(*read_results: jax.Array) -> Callable[[jax.Array], jax.Array]:
 def _param_leaves(*trees) -> list:
     """The leaves of parameter trees, in order: F matches its residuals against them by identity."""
     return [w for tree in trees for w in jax.tree.leaves(tree)]
-
-
-def _aval_axes(aval) -> tuple[str, ...]:
-    """The manual axes an abstract value varies over."""
-    if hasattr(aval, "manual_axis_type"):  # jax 0.10
-        return tuple(sorted(aval.manual_axis_type.varying))
-    return tuple(sorted(getattr(aval, "vma", ())))
 
 
 def _gather(w: jax.Array, dim: int | None) -> jax.Array:
