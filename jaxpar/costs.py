@@ -357,23 +357,25 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     saved = (act["layers"] if p == 1 else 0) + head  # (a pipeline's are in its stash)
     if p == 1:
         # With microbatches every one runs inside the accumulation loop: one microbatch's
-        # activations at a time.
-        transient = max(recomputed, act["layer_all"] // 2, working)
+        # activations at a time. A layer's backward holds what remat recomputed beside the
+        # cotangents of about half its saved values, or half of all its values as cotangents.
+        transient = max(recomputed + act["layer_saved"] // 2, act["layer_all"] // 2, working)
     else:
-        # In a tick F's residuals (one slot) exist before they are written, and B's pullback, run
-        # from another slot, makes as much again (measured on CPU); beyond that, what remat
-        # recomputes, or the logits' cotangent.
-        transient = 2 * act["layers"] + max(recomputed, working)
+        # In a tick F's residuals (one slot) exist before they are written (measured on CPU);
+        # beyond that, what remat recomputes, or the logits' cotangent.
+        transient = act["layers"] + max(recomputed, working)
     saved += act["fixed"]
     gathered = 0
     if zero == 3:
-        # ZeRO-3 gathers each layer where it is used (two in flight: one used, one prefetched) and
-        # the leaves outside the layer scan (embeddings, head) once, kept for the backward pass;
-        # with `zero3_gather: step` (and microbatches or a pipeline), all of this device's
-        # parameters, kept for the step.
+        # ZeRO-3 gathers each layer where it is used and the leaves outside the layer scan
+        # (embeddings, head) once, kept for the backward pass; with `zero3_gather: step` (and
+        # microbatches or a pipeline), all of this device's parameters, kept for the step. Layers
+        # in flight: one on CPU (its scheduler runs each gather just before its use: measured),
+        # two on GPU (the latency-hiding scheduler prefetches the next layer's gather).
         blocks_layer = st["blocks"] // max(1, m.n_layers // p)
         shared = st["local"] - st["blocks"]
-        gathered = (shared + (st["blocks"] if _gather_per_step(cfg, p) else 2 * blocks_layer)) * g
+        in_flight = 1 if platform == "cpu" else 2
+        gathered = (shared + (st["blocks"] if _gather_per_step(cfg, p) else in_flight * blocks_layer)) * g
         if not _gather_per_step(cfg, p):  # gathered per use in the compute dtype (matrices: nearly all of it)
             gathered = gathered * min(1.0, _BYTES[m.dtype] / itemsize)
     out.update(gradients=int(grads), activations=int(saved + transient), pipeline_buffers=int(buffers),
