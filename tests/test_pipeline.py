@@ -17,13 +17,13 @@ from jaxpar.parallel.schedules import build as build_schedule
 from jaxpar.parallel.schedules import simulate
 from jaxpar.train.step import build, cross_entropy_sum, lower_step
 
-def tiny_pp(arch, stage, schedule, m, data=1, model_=1, zero=0, v=None):
+def tiny_pp(arch, stage, schedule, m, data=1, model_=1, zero=0, v=None, remat="none"):
     v = (2 if schedule == "interleaved_1f1b" else 1) if v is None else v
     return from_dict({
         "model": {"arch": arch, "n_layers": max(8, stage * v), "d_model": 32, "n_heads": 4, "n_kv_heads": 2 if arch == "llama" else None,
                   "d_ff": 64, "vocab_size": 64, "seq_len": 16},
         "mesh": {"data": data, "stage": stage, "model": model_},
-        "parallel": {"schedule": schedule, "microbatches": m, "zero": zero, "virtual_stages": v},
+        "parallel": {"schedule": schedule, "microbatches": m, "zero": zero, "virtual_stages": v, "remat": remat},
         "train": {"steps": 3, "global_batch": 2 * data * m * 2, "lr": 1e-2, "warmup_steps": 1},
     })
 
@@ -34,27 +34,42 @@ _REF = {}
 def check_parity(cfg):
     key = (cfg.model.arch, cfg.train.global_batch, cfg.model.n_layers)
     if key not in _REF:
-        _REF[key] = run_reference(cfg.replace(parallel={"microbatches": 1, "zero": 0, "virtual_stages": 1}))
+        _REF[key] = run_reference(cfg.replace(parallel={"microbatches": 1, "zero": 0, "virtual_stages": 1,
+                                                        "remat": "none"}))
     assert_parity(run_steps(cfg), _REF[key])
 
 
-# A representative third of the matrix in the default suite; the whole matrix is marked slow.
-DEFAULT = [("llama", 2, "gpipe", 2), ("gpt2", 2, "1f1b", 5), ("llama", 4, "1f1b", 8),
-           ("gpt2", 4, "1f1b_one_action", 4), ("llama", 8, "1f1b", 9), ("gpt2", 8, "gpipe", 8),
-           ("llama", 4, "interleaved_1f1b", 6), ("gpt2", 2, "interleaved_1f1b", 4)]
-FULL = [(arch, p, s, m) for arch in ("llama", "gpt2") for p in (2, 4, 8)
-        for s in ("gpipe", "1f1b", "1f1b_one_action", "interleaved_1f1b") for m in (p, 2 * p, 2 * p + 1)]
+# Every schedule x p in {2, 4, 8} x m in {p, 2p, 2p + 1} (even and odd) x both architectures, with
+# the remat policy a Latin square over (p, m): each schedule meets every policy at every p and at
+# every m (what F stashes, and so what B and I rebuild from, differs by policy). The reference is
+# the unpipelined step without remat. A representative part runs by default; the whole is slow.
+SCHEDULES = ("gpipe", "1f1b", "1f1b_lockstep", "1f1b_one_action", "zb_h1", "interleaved_1f1b")
+REMATS = ("none", "dots", "full")
 
 
-@pytest.mark.parametrize("arch, stage, schedule, m", DEFAULT)
-def test_pipeline_matches_single_device(arch, stage, schedule, m):
-    check_parity(tiny_pp(arch, stage, schedule, m))
+def remat_of(p, m):
+    return REMATS[((2, 4, 8).index(p) + (p, 2 * p, 2 * p + 1).index(m)) % 3]
+
+
+FULL = [(arch, p, s, m, remat_of(p, m)) for arch in ("llama", "gpt2") for p in (2, 4, 8)
+        for s in SCHEDULES for m in (p, 2 * p, 2 * p + 1)]
+DEFAULT = [(arch, p, s, m, remat_of(p, m)) for arch, p, s, m in [
+    ("llama", 2, "gpipe", 2), ("gpt2", 2, "1f1b", 5), ("llama", 4, "1f1b", 8), ("gpt2", 4, "1f1b_one_action", 4),
+    ("llama", 8, "1f1b", 17), ("gpt2", 8, "gpipe", 8), ("llama", 4, "interleaved_1f1b", 9),
+    ("gpt2", 2, "interleaved_1f1b", 4), ("llama", 4, "zb_h1", 9), ("gpt2", 2, "zb_h1", 4),
+    ("llama", 8, "zb_h1", 16), ("gpt2", 4, "1f1b_lockstep", 8)]]
+assert set(DEFAULT) <= set(FULL)
+
+
+@pytest.mark.parametrize("arch, stage, schedule, m, remat", DEFAULT)
+def test_pipeline_matches_single_device(arch, stage, schedule, m, remat):
+    check_parity(tiny_pp(arch, stage, schedule, m, remat=remat))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, stage, schedule, m", [c for c in FULL if c not in DEFAULT])
-def test_pipeline_matches_single_device_full_matrix(arch, stage, schedule, m):
-    check_parity(tiny_pp(arch, stage, schedule, m))
+@pytest.mark.parametrize("arch, stage, schedule, m, remat", [c for c in FULL if c not in DEFAULT])
+def test_pipeline_matches_single_device_full_matrix(arch, stage, schedule, m, remat):
+    check_parity(tiny_pp(arch, stage, schedule, m, remat=remat))
 
 
 # Pipelining composed with data parallelism, ZeRO and tensor parallelism: tests/test_composition.py.
@@ -249,6 +264,15 @@ def test_pipeline_bad_input(overrides, message):
     cfg = load_config(None, ["mesh.data=2", "mesh.stage=4", "model.n_layers=8", *overrides])
     with pytest.raises(ConfigError, match=re.escape(message)):
         make_mesh(cfg)
+
+
+def test_a_schedule_without_chunks_is_refused_virtual_stages():
+    """zb_h1 (like every table but interleaved_1f1b) places one chunk per stage: asking it for two
+    is refused when the config loads, before anything compiles."""
+    with pytest.raises(ConfigError, match=re.escape("parallel.virtual_stages = 2 needs parallel.schedule = "
+                                                    "interleaved_1f1b (got zb_h1)")):
+        load_config(None, ["mesh.stage=4", "model.n_layers=8", "parallel.schedule=zb_h1",
+                           "parallel.virtual_stages=2", "parallel.microbatches=4"])
 
 
 def test_unknown_schedule_is_refused():
