@@ -55,6 +55,19 @@ class ModelConfig:
     """Epsilon of RMSNorm / LayerNorm."""
     rope_theta: float = 10000.0
     """RoPE base frequency (llama only)."""
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    """How RoPE's frequencies are rescaled for a longer context (llama only): none; linear (every
+    frequency divided by rope_factor: positions interpolated); llama3 (Llama 3.1's: wavelengths
+    longer than rope_original_context / rope_low_freq_factor divided by rope_factor, shorter than
+    rope_original_context / rope_high_freq_factor kept, those between interpolated smoothly)."""
+    rope_factor: float = 1.0
+    """The frequency divisor of rope_scaling linear and llama3 (Llama 3.1: 8, 3.2: 32)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above rope_original_context / this are divided by rope_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below rope_original_context / this are kept."""
+    rope_original_context: int = 8192
+    """llama3 scaling: the context length the model was pretrained with before scaling."""
     init_std: float = 0.02
     """Standard deviation of the normal initializer of weight matrices."""
     block: str = "pre_norm"
@@ -413,6 +426,20 @@ def validate(cfg: Config) -> None:
     if m.arch == "llama":
         _require(m.head_dim % 2 == 0, f"head_dim = d_model / n_heads = {m.head_dim} must be even for RoPE; "
                                       "change d_model or n_heads.")
+    _require(m.rope_scaling in ("none", "linear", "llama3"),
+             f"model.rope_scaling = {m.rope_scaling!r} is not a RoPE scaling jaxpar implements; use none, "
+             "linear or llama3.")
+    if m.rope_scaling != "none":
+        _require(m.arch == "llama", f"model.rope_scaling = {m.rope_scaling} needs model.arch = llama (got {m.arch}, "
+                                    "which has learned positions); set rope_scaling=none.")
+        _require(m.rope_factor >= 1, f"model.rope_factor = {m.rope_factor} must be at least 1 (it divides RoPE's "
+                                     "frequencies); set it to the checkpoint's factor, e.g. 8.")
+    if m.rope_scaling == "llama3":
+        _require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+                 f"model.rope_low_freq_factor = {m.rope_low_freq_factor} and rope_high_freq_factor = "
+                 f"{m.rope_high_freq_factor} must satisfy 0 < low < high; Llama 3.1 uses 1 and 4.")
+        _require(m.rope_original_context > 0, f"model.rope_original_context = {m.rope_original_context} must be "
+                                              "positive; Llama 3.1 uses 8192.")
     _require(m.norm_eps > 0, f"model.norm_eps = {m.norm_eps} must be positive; set it to a small number like 1e-5.")
     _require(m.init_std > 0, f"model.init_std = {m.init_std} must be positive; set it to e.g. 0.02.")
 

@@ -87,9 +87,9 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
     hf = read_hf_config(folder)
     path = os.path.join(folder, "config.json")
     arch = hf.get("model_type")
-    if arch not in ("llama", "gpt2"):
+    if arch not in ("llama", "mistral", "gpt2"):
         raise HFError(f"{path!r} has model_type = {arch!r}, which jaxpar does not support; jaxpar reads "
-                      "`llama` and `gpt2` models.")
+                      "`llama`, `mistral` and `gpt2` models.")
     v = lambda key, default=...: _value(hf, path, key, default)  # noqa: E731
 
     def i(key: str, default: Any = ...) -> int:
@@ -104,15 +104,21 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
                 f"{key} = {value!r}", f"{key} must be a positive number")
         return float(value)
 
-    if arch == "llama":
+    if arch in ("llama", "mistral"):  # Mistral is the llama architecture under its own model_type
         d, n = i("hidden_size"), i("num_attention_heads")
         rope = hf.get("rope_parameters") or {}
         if "rope_theta" in rope:  # transformers 5 keeps it there
             hf = {**hf, "rope_theta": rope["rope_theta"]}
         scaling = hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", scaling.get("rope_type", scaling.get("type", "default"))))
-        _refuse(rope_type == "default", path, f"RoPE type {rope_type!r}",
-                "jaxpar implements only the default (unscaled) rotary embedding; use a model without rope scaling")
+        # transformers 5 writes the scaling into rope_parameters, 4.x into rope_scaling.
+        scaling = rope if ("rope_type" in rope or "type" in rope) else scaling
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        _refuse(rope_type in ("default", "linear", "llama3"), path, f"RoPE type {rope_type!r}",
+                "jaxpar implements the default, linear and llama3 rotary embeddings")
+        _refuse(scaling.get("attention_factor") in (None, 1, 1.0), path,
+                f"rope attention_factor = {scaling.get('attention_factor')!r}",
+                "jaxpar's linear and llama3 RoPE leave the attention scale unchanged (attention_factor 1)")
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         _refuse(v("hidden_act", "silu") == "silu", path, f"hidden_act = {hf.get('hidden_act')!r}",
                 "jaxpar's llama MLP is SwiGLU with silu")
         _refuse(not hf.get("attention_bias") and not hf.get("mlp_bias"), path, "attention_bias or mlp_bias",
@@ -125,7 +131,18 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
         fields = dict(n_layers=i("num_hidden_layers"), d_model=d, n_heads=n, n_kv_heads=i("num_key_value_heads", n),
                       d_ff=i("intermediate_size"), norm_eps=f("rms_norm_eps", 1e-6),
                       rope_theta=f("rope_theta", 10000.0))
-        default_len = min(max_pos, LLAMA_SEQ_CAP)
+        if rope_type != "default":
+            sv = lambda key: _value({**scaling, "model_type": f"{arch} with {rope_type} RoPE"}, path, key)  # noqa: E731
+            fields.update(rope_scaling=rope_type, rope_factor=float(sv("factor")))
+        if rope_type == "llama3":
+            fields.update(rope_low_freq_factor=float(sv("low_freq_factor")),
+                          rope_high_freq_factor=float(sv("high_freq_factor")),
+                          rope_original_context=int(sv("original_max_position_embeddings")))
+        # Full causal attention equals a sliding window of W tokens on sequences of at most W.
+        default_len = min(max_pos, LLAMA_SEQ_CAP, window or max_pos)
+        _refuse(window is None or seq_len is None or window >= seq_len, path, f"sliding_window = {window}",
+                f"jaxpar's attention is full causal attention, which equals a sliding window only when the window "
+                f"covers the sequence (seq_len = {seq_len}); choose seq_len <= {window}")
     else:
         d = i("n_embd")
         act = v("activation_function", "gelu_new")
@@ -145,7 +162,7 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
         raise HFError(f"seq_len = {seq_len} exceeds the {max_pos} positions of {path!r}; choose seq_len <= {max_pos}.")
     if "initializer_range" in hf:
         fields["init_std"] = f("initializer_range", 0.02)
-    cfg = ModelConfig(arch=arch, vocab_size=i("vocab_size"), vocab_multiple=vocab_multiple,
+    cfg = ModelConfig(arch="gpt2" if arch == "gpt2" else "llama", vocab_size=i("vocab_size"), vocab_multiple=vocab_multiple,
                       seq_len=default_len if seq_len is None else seq_len, **fields)
     try:
         validate(Config(model=cfg))
@@ -163,7 +180,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+            "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "attention_bias": False, "mlp_bias": False,
             "tie_word_embeddings": False, "initializer_range": cfg.init_std, "torch_dtype": dtype,
         }
     return {
@@ -175,15 +192,28 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    """config.json's rope_scaling of `cfg` (transformers 4.x reads it; 5 reads it into rope_parameters)."""
+    if cfg.rope_scaling == "none":
+        return None
+    out = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "llama3":
+        out.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                   original_max_position_embeddings=cfg.rope_original_context)
+    return out
+
+
 def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
     """The folder's ModelConfig, after checking that `cfg` describes the same function (shapes,
     norm epsilon, RoPE base; seq_len within the folder's positions); raises HFError otherwise."""
     hf_cfg = config_from_hf(folder)
     path = os.path.join(folder, "config.json")
     for key in ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "d_ff", "vocab_size", "norm_eps",
-                "rope_theta"):
+                "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                "rope_original_context"):
         want, got = getattr(hf_cfg, key), getattr(cfg, key)
-        if key == "rope_theta" and cfg.arch != "llama":
+        used = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "rope_scaling", "rope_factor")}
+        if key.startswith("rope") and (cfg.arch != "llama" or key not in used.get(hf_cfg.rope_scaling, (key,))):
             continue
         if want != got:
             name = "n_kv_heads" if key == "kv_heads" else key

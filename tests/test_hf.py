@@ -46,12 +46,30 @@ def _randomize(m: "torch.nn.Module", seed: int) -> None:
             p.copy_(1 + 0.1 * noise if is_scale and name.endswith("weight") else 0.05 * noise)
 
 
+# The llama-architecture families beside plain llama: Llama 3.1's RoPE scaling (an original context
+# of 64 positions puts head_dim 16's eight frequencies in all three of its regimes: kept,
+# interpolated, divided by the factor),
+# linear RoPE scaling, and Mistral (its own model_type and config names; a sliding window that
+# covers the sequence).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+FAMILIES = ("llama", "gpt2", "llama3", "llama-linear", "mistral")
+
+
 def _hf_model(arch: str):
-    if arch == "llama":
-        c = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                     rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=False)
-        m = transformers.LlamaForCausalLM(c)
+    if arch in ("llama", "llama3", "llama-linear", "mistral"):
+        kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                  rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=False)
+        if arch == "mistral":
+            m = transformers.MistralForCausalLM(transformers.MistralConfig(**kw, sliding_window=32))
+        else:
+            rope = {"llama3": LLAMA3_ROPE, "llama-linear": {"rope_type": "linear", "factor": 2.0}}.get(arch)
+            c = transformers.LlamaConfig(**kw)
+            if rope is not None:  # transformers 5 reads rope_parameters (with the base), 4.x rope_scaling
+                c.rope_parameters = {**rope, "rope_theta": 5e5}
+                c.rope_scaling = {**rope, "rope_theta": 5e5}
+            m = transformers.LlamaForCausalLM(c)
     else:
         c = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32,
                                     bos_token_id=0, eos_token_id=0)
@@ -72,7 +90,7 @@ def folders(tmp_path_factory):
     """arch -> a save_pretrained folder (llama sharded into several files with an index)."""
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for arch in ("llama", "gpt2"):
+    for arch in FAMILIES:
         m = _hf_model(arch)
         out[arch] = str(root / arch)
         m.save_pretrained(out[arch], max_shard_size="50KB" if arch == "llama" else "5GB")
@@ -117,7 +135,7 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_matches_transformers(arch, mesh, folders, batch, reference):
     """Loaded straight onto the training shardings, jaxpar gives transformers' logits, and the
     training program (pipeline, tensor and data parallel on 2x2x2) its loss and gradients."""
@@ -210,7 +228,7 @@ def _files(folder) -> dict[str, bytes]:
     return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_round_trip(arch, folders, loaded, batch, tmp_path):
     """Import then export gives the original tensors bit for bit (so transformers computes the same
     logits), byte-stable files, and a sharded export that reads back the same."""
@@ -248,7 +266,7 @@ def test_round_trip(arch, folders, loaded, batch, tmp_path):
         assert torch.equal(_torch_model(str(sharded))(ids).logits, orig)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_kv_cache_equals_recomputation(arch, loaded):
     """Prefill and one cached step give the full forward's logits; greedy decoding with the cache
     gives the tokens of greedy decoding by full recomputation."""
@@ -385,10 +403,25 @@ BAD = {
                       "does not exist"),
     "tied_llama": (lambda f, tmp: (_copy(f["llama"], tmp / "m"), _write_config(tmp / "m", tie_word_embeddings=True))[0],
                    "tie_word_embeddings"),
+    "unimplemented_rope_scaling": (
+        lambda f, tmp: (_copy(f["llama"], tmp / "m"), _write_config(tmp / "m", rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}))[0], "RoPE type 'yarn'"),
     "pytorch_only": (lambda f, tmp: (_copy(f["gpt2"], tmp / "m"), os.rename(tmp / "m" / "model.safetensors",
                                                                          tmp / "m" / "pytorch_model.bin"))[0],
                      "pytorch_model.bin"),
 }
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_refused(folders, tmp_path):
+    """Full causal attention equals Mistral's sliding window only on sequences the window covers:
+    a longer seq_len is refused in one sentence naming the key and its value; without a seq_len
+    the folder's default length stops at the window."""
+    folder = _copy(folders["mistral"], tmp_path / "m")
+    _write_config(folder, sliding_window=8)
+    assert hf.config_from_hf(folder).seq_len == 8
+    assert hf.config_from_hf(folder, seq_len=8).seq_len == 8
+    with pytest.raises(hf.HFError, match=r"sets sliding_window = 8, but .* choose seq_len <= 8\.$"):
+        hf.config_from_hf(folder, seq_len=SEQ)
 
 
 @pytest.mark.parametrize("case", BAD)

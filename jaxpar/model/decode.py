@@ -32,7 +32,7 @@ def _attend(attn: Attention, x_BxTxD: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH
     T, S = x_BxTxD.shape[1], k_BxSxKxH.shape[1]
     q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = attn.project_qkv(x_BxTxD)
     if attn.arch == "llama":  # the rows of the training tables at these positions
-        cos_SxH2, sin_SxH2 = rope_tables(S, attn.head_dim, attn.rope_theta)
+        cos_SxH2, sin_SxH2 = rope_tables(S, attn.rope)
         rope = (jax.lax.dynamic_slice_in_dim(cos_SxH2, pos, T), jax.lax.dynamic_slice_in_dim(sin_SxH2, pos, T))
         q_BxTxNxH = apply_rope(q_BxTxNxH, *rope)
         k_BxTxKxH = apply_rope(k_BxTxKxH, *rope)

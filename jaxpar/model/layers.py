@@ -199,10 +199,27 @@ def norm(cfg: ModelConfig) -> nnx.Module:
     return RMSNorm(cfg) if cfg.arch == "llama" else LayerNorm(cfg)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """RoPE's inverse frequencies [H/2] (float32) of `cfg`: theta^(-2i/H), rescaled as
+    `cfg.rope_scaling` says (the formulas of transformers' rope utilities, in the same order)."""
+    H = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        context = cfg.rope_original_context
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelen - low) / (high - low)
+        medium = (wavelen >= context / high) & (wavelen <= context / low)
+        return jnp.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return inv_freq
+
+
+def rope_tables(seq_len: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape [T, H/2] (float32) for rotary position embeddings."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles_TxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles_TxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * rope_inv_freq(cfg)[None, :]
     return jnp.cos(angles_TxH2), jnp.sin(angles_TxH2)
 
 
@@ -223,7 +240,8 @@ class Attention(nnx.Module):
         pd, std = cfg.param_dtype, cfg.init_std
         # Residual-branch outputs scaled by 1/sqrt(2L) so the residual stream's variance stays O(1) (GPT-2).
         out_std = std / math.sqrt(2 * cfg.n_layers)
-        self.arch, self.dtype, self.head_dim, self.rope_theta = cfg.arch, cfg.dtype, H, cfg.rope_theta
+        self.arch, self.dtype, self.head_dim = cfg.arch, cfg.dtype, H
+        self.rope = cfg  # read by rope_tables (head_dim, rope_theta, rope_scaling and its factors)
         self.implementation = None if cfg.attention == "auto" else cfg.attention
         self.wq = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), pd, std)
         self.wk = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd, std)
@@ -251,7 +269,7 @@ class Attention(nnx.Module):
         dt = self.dtype
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = self.project_qkv(x_BxTxD)
         if self.arch == "llama":  # tables for the whole sequence (constants XLA folds)
-            rope = rope_tables(x_BxTxD.shape[1], self.head_dim, self.rope_theta)
+            rope = rope_tables(x_BxTxD.shape[1], self.rope)
             q_BxTxNxH = apply_rope(q_BxTxNxH, *rope)
             k_BxTxKxH = apply_rope(k_BxTxKxH, *rope)
         q_BxTxNxH = constrain(q_BxTxNxH, ("batch", "seq", "heads", "head_dim"))
