@@ -55,6 +55,10 @@ class ModelConfig:
     """Epsilon of RMSNorm / LayerNorm."""
     rope_theta: float = 10000.0
     """RoPE base frequency (llama only)."""
+    tie_embeddings: bool | None = None
+    """Whether the output projection is the token embedding, transposed (one matrix, its gradient
+    the sum of both uses): null takes the architecture's (gpt2 tied, llama untied); true for
+    llamas that tie (Llama 3.2 1B and 3B). gpt2 is always tied."""
     rope_scaling: Literal["none", "linear", "llama3"] = "none"
     """How RoPE's frequencies are rescaled for a longer context (llama only): none; linear (every
     frequency divided by rope_factor: positions interpolated); llama3 (Llama 3.1's: wavelengths
@@ -83,6 +87,11 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def tied(self) -> bool:
+        """Whether the output projection is the token embedding (`tie_embeddings`, or the arch's)."""
+        return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
 
     @property
     def head_dim(self) -> int:
@@ -426,6 +435,9 @@ def validate(cfg: Config) -> None:
     if m.arch == "llama":
         _require(m.head_dim % 2 == 0, f"head_dim = d_model / n_heads = {m.head_dim} must be even for RoPE; "
                                       "change d_model or n_heads.")
+    _require(m.arch != "gpt2" or m.tie_embeddings in (None, True),
+             "model.tie_embeddings = false, but gpt2 ties its output projection to the token embedding; "
+             "remove the key or set it to true.")
     _require(m.rope_scaling in ("none", "linear", "llama3"),
              f"model.rope_scaling = {m.rope_scaling!r} is not a RoPE scaling jaxpar implements; use none, "
              "linear or llama3.")
@@ -437,7 +449,7 @@ def validate(cfg: Config) -> None:
     if m.rope_scaling == "llama3":
         _require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
                  f"model.rope_low_freq_factor = {m.rope_low_freq_factor} and rope_high_freq_factor = "
-                 f"{m.rope_high_freq_factor} must satisfy 0 < low < high; Llama 3.1 uses 1 and 4.")
+                 f"{m.rope_high_freq_factor} must satisfy 0 < low < high; set them to the checkpoint's (Llama 3.1: 1 and 4).")
         _require(m.rope_original_context > 0, f"model.rope_original_context = {m.rope_original_context} must be "
                                               "positive; Llama 3.1 uses 8192.")
     _require(m.norm_eps > 0, f"model.norm_eps = {m.norm_eps} must be positive; set it to a small number like 1e-5.")

@@ -551,14 +551,14 @@ def model_flops_per_token(cfg: Config) -> float:
 
 
 def hardware_flops_per_token(cfg: Config, p: int) -> float:
-    """FLOPs the devices run per token: the model FLOPs, GPT-2's tied output projection (2·d·V
+    """FLOPs the devices run per token: the model FLOPs, a tied output projection (GPT-2, tied llamas: 2·d·V
     forward, twice that backward, outside N), and the recomputed forwards: remat `full`
     recomputes every block (2·N + 4·L·d·S), `dots` the attention core (4·L·d·S). A pipeline adds
     nothing: B (or I and W) runs from what F saved."""
     m, remat = cfg.model, cfg.parallel.remat
     n = model.count_params(m, embeddings=False)
     attn_fwd = 4 * m.n_layers * m.d_model * m.seq_len
-    total = model_flops_per_token(cfg) + (6 * m.d_model * m.padded_vocab if m.arch == "gpt2" else 0)
+    total = model_flops_per_token(cfg) + (6 * m.d_model * m.padded_vocab if m.tied else 0)
     forward = 2 * n + attn_fwd
     return total + {"none": 0, "full": forward, "dots": attn_fwd}[remat]
 
@@ -605,7 +605,7 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[
         # One microbatch through one stage's layers: F its forward FLOPs, B the rest (backward and
         # the recomputed forward), at the stated fraction of peak; the simulator adds the bubble.
         per_microbatch = flops / par.microbatches
-        fwd = per_microbatch * (model_flops_per_token(cfg) / 3 + (2 * m.d_model * m.padded_vocab if m.arch == "gpt2"
+        fwd = per_microbatch * (model_flops_per_token(cfg) / 3 + (2 * m.d_model * m.padded_vocab if m.tied
                                                                   else 0)) / hardware_flops_per_token(cfg, p)
         # The simulated time is linear in the costs at a fixed B/F ratio: simulate once per ratio.
         total, bubble = _simulated(par.schedule, p, par.microbatches, par.virtual_stages,

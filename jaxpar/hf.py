@@ -125,12 +125,10 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
                 "jaxpar's llama has no biases")
         _refuse(i("head_dim", d // n) == d // n, path, f"head_dim = {hf.get('head_dim')}",
                 f"jaxpar's head_dim is hidden_size / num_attention_heads = {d // n}")
-        _refuse(not hf.get("tie_word_embeddings", False), path, "tie_word_embeddings = true",
-                "jaxpar's llama has an untied output projection (lm_head); use an untied checkpoint")
         max_pos = i("max_position_embeddings", 2048)
         fields = dict(n_layers=i("num_hidden_layers"), d_model=d, n_heads=n, n_kv_heads=i("num_key_value_heads", n),
                       d_ff=i("intermediate_size"), norm_eps=f("rms_norm_eps", 1e-6),
-                      rope_theta=f("rope_theta", 10000.0))
+                      rope_theta=f("rope_theta", 10000.0), tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
         if rope_type != "default":
             sv = lambda key: _value({**scaling, "model_type": f"{arch} with {rope_type} RoPE"}, path, key)  # noqa: E731
             fields.update(rope_scaling=rope_type, rope_factor=float(sv("factor")))
@@ -181,7 +179,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "attention_bias": False, "mlp_bias": False,
-            "tie_word_embeddings": False, "initializer_range": cfg.init_std, "torch_dtype": dtype,
+            "tie_word_embeddings": cfg.tied, "initializer_range": cfg.init_std, "torch_dtype": dtype,
         }
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
@@ -209,14 +207,14 @@ def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
     hf_cfg = config_from_hf(folder)
     path = os.path.join(folder, "config.json")
     for key in ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "d_ff", "vocab_size", "norm_eps",
-                "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                "tied", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                 "rope_original_context"):
         want, got = getattr(hf_cfg, key), getattr(cfg, key)
         used = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "rope_scaling", "rope_factor")}
         if key.startswith("rope") and (cfg.arch != "llama" or key not in used.get(hf_cfg.rope_scaling, (key,))):
             continue
         if want != got:
-            name = "n_kv_heads" if key == "kv_heads" else key
+            name = {"kv_heads": "n_kv_heads", "tied": "tie_embeddings"}.get(key, key)
             raise HFError(f"model.{name} = {got!r} does not match {want!r} of {path!r}; set model.{name}={want} "
                           "(or start from another folder).")
     config_from_hf(folder, seq_len=cfg.seq_len)  # raises if seq_len exceeds the positions
@@ -256,8 +254,7 @@ def entries(cfg: ModelConfig, prefix: str = "") -> list[Entry]:
             Entry(("blocks", "mlp", "w_up"), m + "up_proj.weight", "t", (F, D)),
             Entry(("blocks", "mlp", "w_down"), m + "down_proj.weight", "t", (D, F)),
             Entry(("final_norm", "scale"), "model.norm.weight", "same", (D,)),
-            Entry(("lm_head",), "lm_head.weight", "t", (V, D)),
-        ]
+        ] + ([] if cfg.tied else [Entry(("lm_head",), "lm_head.weight", "t", (V, D))])
     h = prefix + "h.{i}."
     return [
         Entry(("embed",), prefix + "wte.weight", "same", (V, D)),
@@ -287,7 +284,7 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
 def _ignored(cfg: ModelConfig, name: str) -> bool:
-    return name.endswith(_IGNORED_SUFFIXES) or (cfg.arch == "gpt2" and name == "lm_head.weight")
+    return name.endswith(_IGNORED_SUFFIXES) or (cfg.tied and name == "lm_head.weight")
 
 
 def _hf_names(cfg: ModelConfig, e: Entry) -> list[str]:

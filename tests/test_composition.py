@@ -80,7 +80,7 @@ _REF = {}
 
 
 def reference(cfg):
-    key = (cfg.model.arch, cfg.model.n_layers)
+    key = (cfg.model.arch, cfg.model.n_layers, cfg.model.tied, cfg.model.rope_scaling)
     if key not in _REF:
         _REF[key] = run_reference(cfg.replace(parallel={"virtual_stages": 1}))
     return _REF[key]
@@ -104,6 +104,18 @@ def test_composition_matches_single_device(case):
 @pytest.mark.parametrize("case", [c for c in FULL if c not in DEFAULT], ids=case_id)
 def test_composition_matches_single_device_full_matrix(case):
     check_parity(composed(*case))
+
+
+@pytest.mark.parametrize("mesh, schedule, zero", [((2, 2, 2), "1f1b", 3), ((1, 4, 2), "zb_h1", 2), ((4, 1, 2), None, 1)],
+                         ids=["2x2x2-1f1b-zero3", "1x4x2-zb_h1-zero2", "4x1x2-accum-zero1"])
+def test_tied_llama_with_llama3_rope_composes(mesh, schedule, zero):
+    """A llama whose head is its embedding (the tied gradient: the first stage's lookup plus the
+    last stage's head, vocab-parallel under TP) with Llama 3.1's RoPE scaling: the single-device
+    function under pipelining, tensor parallelism and ZeRO. (Against transformers: test_hf.py.)"""
+    cfg = composed(*mesh, schedule, zero, "microbatch" if zero == 3 else None, "llama").replace(
+        model={"tie_embeddings": True, "rope_scaling": "llama3", "rope_factor": 8.0, "rope_original_context": 32})
+    assert "lm_head" not in model.param_shapes(cfg.model)
+    check_parity(cfg)
 
 
 def test_the_matrix_covers_every_factorization_schedule_and_zero_stage():

@@ -226,6 +226,11 @@ def test_config_is_frozen():
     (["model.n_layers=0"], ["model.n_layers = 0"]),
     (["model.vocab_size=-5"], ["model.vocab_size = -5"]),
     (["model.d_model=36", "model.n_heads=4"], ["head_dim", "9"]),  # llama: RoPE needs an even head_dim
+    (["model.arch=gpt2", "model.tie_embeddings=false"], ["model.tie_embeddings = false", "gpt2"]),
+    (["model.arch=gpt2", "model.rope_scaling=linear", "model.rope_factor=2"], ["model.rope_scaling = linear", "gpt2"]),
+    (["model.rope_scaling=llama3", "model.rope_factor=0.5"], ["model.rope_factor = 0.5", "at least 1"]),
+    (["model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=4",
+      "model.rope_high_freq_factor=1"], ["rope_low_freq_factor = 4.0", "rope_high_freq_factor = 1.0"]),
 ])
 def test_model_shape_rules(overrides, values):
     with pytest.raises(ConfigError) as err:

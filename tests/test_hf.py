@@ -49,18 +49,18 @@ def _randomize(m: "torch.nn.Module", seed: int) -> None:
 # The llama-architecture families beside plain llama: Llama 3.1's RoPE scaling (an original context
 # of 64 positions puts head_dim 16's eight frequencies in all three of its regimes: kept,
 # interpolated, divided by the factor),
-# linear RoPE scaling, and Mistral (its own model_type and config names; a sliding window that
-# covers the sequence).
+# linear RoPE scaling, a llama whose output projection is its embedding (Llama 3.2 1B / 3B), and
+# Mistral (its own model_type and config names; a sliding window that covers the sequence).
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
-FAMILIES = ("llama", "gpt2", "llama3", "llama-linear", "mistral")
+FAMILIES = ("llama", "gpt2", "llama3", "llama-linear", "llama-tied", "mistral")
 
 
 def _hf_model(arch: str):
-    if arch in ("llama", "llama3", "llama-linear", "mistral"):
+    if arch in ("llama", "llama3", "llama-linear", "llama-tied", "mistral"):
         kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                  rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=False)
+                  rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=arch == "llama-tied")
         if arch == "mistral":
             m = transformers.MistralForCausalLM(transformers.MistralConfig(**kw, sliding_window=32))
         else:
@@ -401,8 +401,8 @@ BAD = {
         "hidden_size = '64'"),
     "missing_shard": (lambda f, tmp: (_copy(f["llama"], tmp / "m"), _remove_a_shard(tmp / "m"))[0],
                       "does not exist"),
-    "tied_llama": (lambda f, tmp: (_copy(f["llama"], tmp / "m"), _write_config(tmp / "m", tie_word_embeddings=True))[0],
-                   "tie_word_embeddings"),
+    "untied_gpt2": (lambda f, tmp: (_copy(f["gpt2"], tmp / "m"), _write_config(tmp / "m", tie_word_embeddings=False))[0],
+                    "tie_word_embeddings"),
     "unimplemented_rope_scaling": (
         lambda f, tmp: (_copy(f["llama"], tmp / "m"), _write_config(tmp / "m", rope_parameters={
             "rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}))[0], "RoPE type 'yarn'"),

@@ -52,7 +52,7 @@ class Transformer(nnx.Module):
 
         self.blocks = stacked_blocks(rngs)
         self.final_norm = norm(cfg)
-        if cfg.arch == "llama":  # gpt2 ties the output projection to the embedding
+        if not cfg.tied:  # else the output projection is the embedding (gpt2; tied llamas)
             self.lm_head = param(rngs, (D, V), ("embed", "vocab"), pd, std)
 
     def __call__(self, tokens_BxT: jax.Array, *, remat: str = "none") -> jax.Array:
@@ -78,7 +78,7 @@ class Transformer(nnx.Module):
         vocabulary under tensor parallelism)."""
         cfg = self.cfg
         x_BxTxD = enter_tp(self.final_norm(x_BxTxD))
-        w_DxV = self.lm_head[...] if cfg.arch == "llama" else self.embed[...].T
+        w_DxV = self.embed[...].T if cfg.tied else self.lm_head[...]
         # Logits accumulate and come out in float32: the softmax of the loss needs the precision.
         logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, w_DxV.astype(cfg.dtype),
                                   preferred_element_type=jnp.float32)
