@@ -55,6 +55,15 @@ class ModelConfig:
     """Epsilon of RMSNorm / LayerNorm."""
     rope_theta: float = 10000.0
     """RoPE base frequency (llama only)."""
+    head_dim: int | None = None
+    """Width of one attention head; null means d_model / n_heads (Qwen 3 sets its own: the query
+    and key projections are n_heads x head_dim wide, whatever d_model is)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (llama architecture; Qwen 2 / 2.5), split
+    over `model` with their heads. gpt2 always has its biases."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim of each query and key head before RoPE (llama architecture; Qwen 3),
+    one scale of head_dim shared by the heads."""
     tie_embeddings: bool | None = None
     """Whether the output projection is the token embedding, transposed (one matrix, its gradient
     the sum of both uses): null takes the architecture's (gpt2 tied, llama untied); true for
@@ -94,8 +103,9 @@ class ModelConfig:
         return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """Width of one attention head: `head_dim`, or d_model / n_heads when it is null."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
 
     @property
     def padded_vocab(self) -> int:
@@ -425,7 +435,9 @@ def validate(cfg: Config) -> None:
         _require(getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} must be positive; set it to a positive integer.")
     _require(m.kv_heads > 0, f"model.n_kv_heads = {m.n_kv_heads} must be positive; set it to a divisor of "
                              f"n_heads, or null for n_heads.")
-    _require(m.d_model % m.n_heads == 0,
+    _require(m.head_dim is None or m.head_dim > 0,
+             f"model.head_dim = {m.head_dim} must be positive; set it, or null for d_model / n_heads.")
+    _require(m.head_dim is not None or m.d_model % m.n_heads == 0,
              f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}; "
              f"choose n_heads among the divisors of d_model (e.g. {_nearest_divisor(m.d_model, m.n_heads)}).")
     _require(m.n_heads % m.kv_heads == 0,
@@ -433,8 +445,11 @@ def validate(cfg: Config) -> None:
              f"(each kv head serves a whole group of query heads); "
              f"choose n_kv_heads among the divisors of n_heads (e.g. {_nearest_divisor(m.n_heads, m.kv_heads)}).")
     if m.arch == "llama":
-        _require(m.head_dim % 2 == 0, f"head_dim = d_model / n_heads = {m.head_dim} must be even for RoPE; "
-                                      "change d_model or n_heads.")
+        _require(m.head_size % 2 == 0, f"head_dim = {m.head_size} must be even for RoPE; "
+                                       "change model.head_dim, or d_model or n_heads.")
+    _require(m.arch == "llama" or not (m.qkv_bias or m.qk_norm or m.head_dim not in (None, m.d_model // m.n_heads)),
+             f"model.qkv_bias, qk_norm and head_dim are keys of the llama architecture (model.arch = {m.arch}); "
+             "remove them for gpt2.")
     _require(m.arch != "gpt2" or m.tie_embeddings in (None, True),
              "model.tie_embeddings = false, but gpt2 ties its output projection to the token embedding; "
              "remove the key or set it to true.")

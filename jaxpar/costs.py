@@ -228,8 +228,8 @@ def _activations(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool, flas
 def _tap_width(m, t: int) -> int:
     """Per token and layer, the elements of every weight matmul's input and output cotangent (what
     the split backward's I keeps for W), tensor-parallel dims divided by t."""
-    qkv = (m.n_heads + 2 * m.kv_heads) * m.head_dim // t
-    attn = 3 * m.d_model + qkv + 2 * (m.n_heads * m.head_dim // t) + m.d_model
+    qkv = (m.n_heads + 2 * m.kv_heads) * m.head_size // t
+    attn = 3 * m.d_model + qkv + 2 * (m.n_heads * m.head_size // t) + m.d_model
     mats = 3 if m.arch == "llama" else 2  # up (and gate) and down
     mlp = (mats - 1) * (m.d_model + m.d_ff // t) + m.d_ff // t + m.d_model
     return attn + mlp
@@ -263,7 +263,7 @@ def uses_flash_attention(cfg: Config, platform: str) -> bool:
     if m.attention == "cudnn":
         return True
     return (m.attention == "auto" and platform == "gpu" and m.dtype in ("bfloat16", "float16")
-            and m.head_dim % 8 == 0 and m.head_dim <= 128)
+            and m.head_size % 8 == 0 and m.head_size <= 128)
 
 
 def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> dict[str, int]:
@@ -532,7 +532,9 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
         out.append(Collective("all-reduce", ("model",), A, 2 * micro))  # embedding fwd, head input bwd
     small = 0
     if m.kv_heads % t:  # replicated kv projections: their weight gradients summed over model ranks
-        small += 2 * m.d_model * m.kv_heads * m.head_dim * _BYTES[m.param_dtype]
+        small += 2 * (m.d_model + m.qkv_bias) * m.kv_heads * m.head_size * _BYTES[m.param_dtype]
+    if m.qk_norm and t > 1:  # the q and k norm scales, shared by heads on every model rank
+        small += 2 * m.head_size * _BYTES[m.param_dtype]
     if sp:  # norm parameters see a slice of the sequence on each rank
         small += 2 * m.d_model * (2 if m.arch == "gpt2" else 1) * _BYTES[m.param_dtype]
     if small:
@@ -545,9 +547,10 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
 
 
 def model_flops_per_token(cfg: Config) -> float:
-    """6·N + 12·L·d_model·S (DESIGN.md §6.1): N the non-embedding parameters, causal attention not halved."""
+    """6·N + 12·L·d_attn·S (DESIGN.md §6.1): N the non-embedding parameters, d_attn = n_heads x
+    head_dim (d_model unless head_dim is set), causal attention not halved."""
     m = cfg.model
-    return 6 * model.count_params(m, embeddings=False) + 12 * m.n_layers * m.d_model * m.seq_len
+    return 6 * model.count_params(m, embeddings=False) + 12 * m.n_layers * m.n_heads * m.head_size * m.seq_len
 
 
 def hardware_flops_per_token(cfg: Config, p: int) -> float:
@@ -557,7 +560,7 @@ def hardware_flops_per_token(cfg: Config, p: int) -> float:
     nothing: B (or I and W) runs from what F saved."""
     m, remat = cfg.model, cfg.parallel.remat
     n = model.count_params(m, embeddings=False)
-    attn_fwd = 4 * m.n_layers * m.d_model * m.seq_len
+    attn_fwd = 4 * m.n_layers * m.n_heads * m.head_size * m.seq_len
     total = model_flops_per_token(cfg) + (6 * m.d_model * m.padded_vocab if m.tied else 0)
     forward = 2 * n + attn_fwd
     return total + {"none": 0, "full": forward, "dots": attn_fwd}[remat]

@@ -77,6 +77,11 @@ def _refuse(ok: bool, path: str, what: str, why: str) -> None:
         raise HFError(f"{path!r} sets {what}, but {why}.")
 
 
+# model_types of the llama architecture: Mistral as llama; Qwen 2 / 2.5 with q, k, v biases; Qwen 3
+# with q and k norms and its own head_dim.
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: int = 64) -> ModelConfig:
     """jaxpar's ModelConfig for a Hugging Face `llama` or `gpt2` folder.
 
@@ -87,9 +92,9 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
     hf = read_hf_config(folder)
     path = os.path.join(folder, "config.json")
     arch = hf.get("model_type")
-    if arch not in ("llama", "mistral", "gpt2"):
+    if arch not in LLAMA_FAMILIES + ("gpt2",):
         raise HFError(f"{path!r} has model_type = {arch!r}, which jaxpar does not support; jaxpar reads "
-                      "`llama`, `mistral` and `gpt2` models.")
+                      f"{', '.join(f'`{a}`' for a in LLAMA_FAMILIES)} and `gpt2` models.")
     v = lambda key, default=...: _value(hf, path, key, default)  # noqa: E731
 
     def i(key: str, default: Any = ...) -> int:
@@ -104,7 +109,7 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
                 f"{key} = {value!r}", f"{key} must be a positive number")
         return float(value)
 
-    if arch in ("llama", "mistral"):  # Mistral is the llama architecture under its own model_type
+    if arch in LLAMA_FAMILIES:  # the llama architecture under their own model_types and options
         d, n = i("hidden_size"), i("num_attention_heads")
         rope = hf.get("rope_parameters") or {}
         if "rope_theta" in rope:  # transformers 5 keeps it there
@@ -122,13 +127,15 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
         _refuse(v("hidden_act", "silu") == "silu", path, f"hidden_act = {hf.get('hidden_act')!r}",
                 "jaxpar's llama MLP is SwiGLU with silu")
         _refuse(not hf.get("attention_bias") and not hf.get("mlp_bias"), path, "attention_bias or mlp_bias",
-                "jaxpar's llama has no biases")
-        _refuse(i("head_dim", d // n) == d // n, path, f"head_dim = {hf.get('head_dim')}",
-                f"jaxpar's head_dim is hidden_size / num_attention_heads = {d // n}")
+                "jaxpar's llama architecture has biases only on q, k and v (qwen2), none on the output "
+                "projection or the MLP")
+        head_dim = i("head_dim", d // n)
         max_pos = i("max_position_embeddings", 2048)
         fields = dict(n_layers=i("num_hidden_layers"), d_model=d, n_heads=n, n_kv_heads=i("num_key_value_heads", n),
                       d_ff=i("intermediate_size"), norm_eps=f("rms_norm_eps", 1e-6),
-                      rope_theta=f("rope_theta", 10000.0), tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+                      rope_theta=f("rope_theta", 10000.0), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                      head_dim=None if head_dim == d // n and d % n == 0 else head_dim,
+                      qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
         if rope_type != "default":
             sv = lambda key: _value({**scaling, "model_type": f"{arch} with {rope_type} RoPE"}, path, key)  # noqa: E731
             fields.update(rope_scaling=rope_type, rope_factor=float(sv("factor")))
@@ -173,14 +180,21 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """config.json of a jaxpar model (the keys both transformers 4.45+ and 5 read)."""
     dtype = cfg.param_dtype
     if cfg.arch == "llama":
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        if cfg.qkv_bias and cfg.qk_norm:
+            raise HFError("model.qkv_bias and model.qk_norm together have no Hugging Face family (qwen2 has the "
+                          "biases, qwen3 the norms); export a model with one of them.")
+        family, name = ("qwen3", "Qwen3") if cfg.qk_norm else ("qwen2", "Qwen2") if cfg.qkv_bias else ("llama", "Llama")
+        extra = {"use_sliding_window": False} if family != "llama" else {}
+        if family == "qwen2":
+            extra["attention_bias"] = None  # (not a Qwen 2 key: its q, k, v always have biases)
+        return {k: v for k, v in {
+            "architectures": [f"{name}ForCausalLM"], "model_type": family, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
             "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "attention_bias": False, "mlp_bias": False,
-            "tie_word_embeddings": cfg.tied, "initializer_range": cfg.init_std, "torch_dtype": dtype,
-        }
+            "tie_word_embeddings": cfg.tied, "initializer_range": cfg.init_std, "torch_dtype": dtype, **extra,
+        }.items() if v is not None or k == "rope_scaling"}
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
         "n_embd": cfg.d_model, "n_inner": cfg.d_ff, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
@@ -239,7 +253,7 @@ def entries(cfg: ModelConfig, prefix: str = "") -> list[Entry]:
     if cfg.block != "pre_norm":
         raise HFError(f"model.block = {cfg.block!r} has no Hugging Face counterpart (transformers' llama and gpt2 "
                       "are pre_norm blocks); convert only models with model.block=pre_norm.")
-    D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+    D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size
     if cfg.arch == "llama":
         a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
         return [
@@ -249,6 +263,10 @@ def entries(cfg: ModelConfig, prefix: str = "") -> list[Entry]:
             Entry(("blocks", "attn", "wk"), a + "k_proj.weight", "heads_in", (K * H, D)),
             Entry(("blocks", "attn", "wv"), a + "v_proj.weight", "heads_in", (K * H, D)),
             Entry(("blocks", "attn", "wo"), a + "o_proj.weight", "heads_out", (D, N * H)),
+            *([Entry(("blocks", "attn", "b" + x), a + f"{x}_proj.bias", "c_bias_in", (n * H,))
+               for x, n in (("q", N), ("k", K), ("v", K))] if cfg.qkv_bias else []),
+            *([Entry(("blocks", "attn", x + "_norm"), a + f"{x}_norm.weight", "same", (H,)) for x in "qk"]
+              if cfg.qk_norm else []),
             Entry(("blocks", "mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", "same", (D,)),
             Entry(("blocks", "mlp", "w_gate"), m + "gate_proj.weight", "t", (F, D)),
             Entry(("blocks", "mlp", "w_up"), m + "up_proj.weight", "t", (F, D)),
@@ -377,9 +395,9 @@ def read_leaf(cfg: ModelConfig, e: Entry, get: Getter, idx: tuple, shape: tuple[
     """The slice `idx` (of the global jaxpar shape `shape`) of parameter `e`, as float32."""
     idx = _normalize(idx, shape)
     if e.path[0] != "blocks":
-        return _read(e, e.hf, get, idx, cfg.head_dim).astype(np.float32)
+        return _read(e, e.hf, get, idx, cfg.head_size).astype(np.float32)
     layers = range(idx[0].start, idx[0].stop)
-    return np.stack([_read(e, e.hf.format(i=i), get, idx[1:], cfg.head_dim).astype(np.float32) for i in layers])
+    return np.stack([_read(e, e.hf.format(i=i), get, idx[1:], cfg.head_size).astype(np.float32) for i in layers])
 
 
 def from_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:

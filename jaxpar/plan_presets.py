@@ -44,10 +44,15 @@ HARDWARE = {
 }
 
 
-def _model(arch, L, D, N, F, V, S, K=None, theta=10000.0, batch=512):
+def _model(arch, L, D, N, F, V, S, K=None, theta=10000.0, batch=512, **options):
     return {"model": {"arch": arch, "n_layers": L, "d_model": D, "n_heads": N, "n_kv_heads": K, "d_ff": F,
-                      "vocab_size": V, "seq_len": S, "dtype": "bfloat16", "rope_theta": theta},
+                      "vocab_size": V, "seq_len": S, "dtype": "bfloat16", "rope_theta": theta, **options},
             "train": {"global_batch": batch}}
+
+
+# Llama 3.1's RoPE scaling, as its config.json states it.
+_LLAMA31 = dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                rope_original_context=8192)
 
 
 # name -> (description, config sections). Batches are typical of each model's published run,
@@ -63,6 +68,18 @@ MODELS = {
     "llama-13b": ("Llama-2-13B shape", _model("llama", 40, 5120, 40, 13824, 32000, 4096, batch=1024)),
     "llama-70b": ("Llama-3-70B shape", _model("llama", 80, 8192, 64, 28672, 128256, 8192, K=8, theta=500000.0,
                                               batch=512)),
+    # From each model's config.json on the Hugging Face hub (context: the training sequence
+    # length of a fine-tuning run, not the 128K the scaled RoPE reaches).
+    "llama-3.1-8b": ("Llama-3.1-8B shape", _model("llama", 32, 4096, 32, 14336, 128256, 8192, K=8, theta=500000.0,
+                                                  batch=512, **_LLAMA31)),
+    "llama-3.1-70b": ("Llama-3.1-70B shape", _model("llama", 80, 8192, 64, 28672, 128256, 8192, K=8,
+                                                    theta=500000.0, batch=512, **_LLAMA31)),
+    "qwen3-8b": ("Qwen3-8B shape", _model("llama", 36, 4096, 32, 12288, 151936, 4096, K=8, theta=1000000.0,
+                                          batch=512, head_dim=128, qk_norm=True, norm_eps=1e-6)),
+    "qwen3-32b": ("Qwen3-32B shape", _model("llama", 64, 5120, 64, 25600, 151936, 4096, K=8, theta=1000000.0,
+                                            batch=512, head_dim=128, qk_norm=True, norm_eps=1e-6)),
+    "mistral-7b": ("Mistral-7B-v0.3 shape", _model("llama", 32, 4096, 32, 14336, 32768, 4096, K=8, theta=1000000.0,
+                                                   batch=512, norm_eps=1e-5)),
     "llama-405b": ("Llama-3.1-405B shape", _model("llama", 126, 16384, 128, 53248, 128256, 8192, K=8,
                                                   theta=500000.0, batch=2048)),
     "gpt3-175b": ("GPT-3 175B", _model("gpt2", 96, 12288, 96, 49152, 50257, 2048, batch=1536)),

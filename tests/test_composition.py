@@ -80,7 +80,8 @@ _REF = {}
 
 
 def reference(cfg):
-    key = (cfg.model.arch, cfg.model.n_layers, cfg.model.tied, cfg.model.rope_scaling)
+    key = (cfg.model.arch, cfg.model.n_layers, cfg.model.tied, cfg.model.rope_scaling, cfg.model.qkv_bias,
+           cfg.model.qk_norm, cfg.model.head_dim)
     if key not in _REF:
         _REF[key] = run_reference(cfg.replace(parallel={"virtual_stages": 1}))
     return _REF[key]
@@ -106,15 +107,29 @@ def test_composition_matches_single_device_full_matrix(case):
     check_parity(composed(*case))
 
 
-@pytest.mark.parametrize("mesh, schedule, zero", [((2, 2, 2), "1f1b", 3), ((1, 4, 2), "zb_h1", 2), ((4, 1, 2), None, 1)],
-                         ids=["2x2x2-1f1b-zero3", "1x4x2-zb_h1-zero2", "4x1x2-accum-zero1"])
-def test_tied_llama_with_llama3_rope_composes(mesh, schedule, zero):
-    """A llama whose head is its embedding (the tied gradient: the first stage's lookup plus the
-    last stage's head, vocab-parallel under TP) with Llama 3.1's RoPE scaling: the single-device
-    function under pipelining, tensor parallelism and ZeRO. (Against transformers: test_hf.py.)"""
+# The llama-architecture options of the Hugging Face families, each on meshes that split what it
+# adds: a tied head (Llama 3.2: the first stage's lookup plus the last stage's head, vocab-parallel
+# under TP) with Llama 3.1's RoPE scaling; q, k, v biases (Qwen 2: split over `model` with their
+# heads, replicated with kv heads for t > 2); q and k norms with head_dim 8 != d_model / n_heads = 4
+# (Qwen 3: the norm scales shared by the heads of every model rank).
+FAMILY_OPTIONS = {
+    "tied-llama3": {"tie_embeddings": True, "rope_scaling": "llama3", "rope_factor": 8.0, "rope_original_context": 32},
+    "qkv-bias": {"qkv_bias": True},
+    "qk-norm-head-dim": {"qk_norm": True, "head_dim": 8},
+}
+FAMILY_CASES = [(o, mesh, s, z) for o in FAMILY_OPTIONS
+                for mesh, s, z in (((2, 2, 2), "1f1b", 3), ((1, 4, 2), "zb_h1", 2), ((4, 1, 2), None, 1))]
+
+
+@pytest.mark.parametrize("options, mesh, schedule, zero", FAMILY_CASES,
+                         ids=[f"{o}-{'x'.join(map(str, m))}-{s or 'accum'}-zero{z}" for o, m, s, z in FAMILY_CASES])
+def test_llama_family_options_compose(options, mesh, schedule, zero):
+    """Each option computes the single-device function under pipelining, TP and ZeRO. (Against
+    transformers: test_hf.py.)"""
     cfg = composed(*mesh, schedule, zero, "microbatch" if zero == 3 else None, "llama").replace(
-        model={"tie_embeddings": True, "rope_scaling": "llama3", "rope_factor": 8.0, "rope_original_context": 32})
-    assert "lm_head" not in model.param_shapes(cfg.model)
+        model=FAMILY_OPTIONS[options])
+    shapes = model.param_shapes(cfg.model)
+    assert ("lm_head" in shapes) != cfg.model.tied and ("bq" in shapes["blocks"]["attn"]) == cfg.model.qkv_bias
     check_parity(cfg)
 
 

@@ -116,6 +116,14 @@ def test_175b_parameters_need_700_gb_of_float32_weights_and_16_bytes_each_with_a
     assert state["params"] + state["grads"] + state["optimizer"] == 16 * psi  # 4 + 4 + 8 (two Adam moments)
 
 
+# Parameter counts the model cards publish (safetensors totals on the Hugging Face hub).
+@pytest.mark.parametrize("name, published", [("llama-3.1-8b", 8.03e9), ("llama-3.1-70b", 70.6e9),
+                                             ("qwen3-8b", 8.19e9), ("qwen3-32b", 32.8e9), ("mistral-7b", 7.25e9)])
+def test_family_presets_have_the_published_parameter_counts(name, published):
+    cfg = from_dict(MODELS[name][1])
+    assert abs(model.count_params(cfg.model) - published) <= 0.01 * published, model.count_params(cfg.model)
+
+
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_state_follows_design_formulas(zero):
     d = 64

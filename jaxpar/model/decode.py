@@ -20,7 +20,7 @@ CACHE_NAMES = ("layers", "batch", "seq", "kv_heads", "head_dim")
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> Cache:
     """An empty cache for `length` positions (prompt plus new tokens)."""
-    shape = (cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_dim)
+    shape = (cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_size)
     return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
 
 

@@ -168,16 +168,21 @@ def _linear_bwd(k, res, g):
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last dim. Statistics in float32 whatever the compute dtype: bf16 sums of
+    squares lose the small terms."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, cfg: ModelConfig):
         self.eps = cfg.norm_eps
         self.scale = param(None, (cfg.d_model,), ("embed",), cfg.param_dtype, fill=1.0)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        # Statistics in float32 whatever the compute dtype: bf16 sums of squares lose the small terms.
-        x = x_BxTxD.astype(jnp.float32)
-        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x_BxTxD.dtype)
+        return rms_norm(x_BxTxD, self.scale[...], self.eps)
 
 
 class LayerNorm(nnx.Module):
@@ -202,7 +207,7 @@ def norm(cfg: ModelConfig) -> nnx.Module:
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     """RoPE's inverse frequencies [H/2] (float32) of `cfg`: theta^(-2i/H), rescaled as
     `cfg.rope_scaling` says (the formulas of transformers' rope utilities, in the same order)."""
-    H = cfg.head_dim
+    H = cfg.head_size
     inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
     if cfg.rope_scaling == "linear":
         return inv_freq / cfg.rope_factor
@@ -236,7 +241,7 @@ class Attention(nnx.Module):
     """Causal self-attention with grouped-query heads: N query heads share K = n_kv_heads kv heads."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size
         pd, std = cfg.param_dtype, cfg.init_std
         # Residual-branch outputs scaled by 1/sqrt(2L) so the residual stream's variance stays O(1) (GPT-2).
         out_std = std / math.sqrt(2 * cfg.n_layers)
@@ -247,11 +252,16 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd, std)
         self.wv = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd, std)
         self.wo = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), pd, out_std)
-        if cfg.arch == "gpt2":
+        self.qkv_bias, self.qk_norm, self.eps = cfg.arch == "gpt2" or cfg.qkv_bias, cfg.qk_norm, cfg.norm_eps
+        if self.qkv_bias:  # gpt2; Qwen 2
             self.bq = param(None, (N, H), ("heads", "head_dim"), pd)
             self.bk = param(None, (K, H), ("kv_heads", "head_dim"), pd)
             self.bv = param(None, (K, H), ("kv_heads", "head_dim"), pd)
+        if cfg.arch == "gpt2":
             self.bo = param(None, (D,), ("embed",), pd)
+        if cfg.qk_norm:  # Qwen 3: one RMSNorm scale over head_dim for all query heads, one for keys
+            self.q_norm = param(None, (H,), ("head_dim",), pd, fill=1.0)
+            self.k_norm = param(None, (H,), ("head_dim",), pd, fill=1.0)
 
     def project_qkv(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries [B, T, N, H], keys and values [B, T, K, H] (biases added, RoPE not yet applied)."""
@@ -259,10 +269,13 @@ class Attention(nnx.Module):
         q_BxTxNxH = linear(x_BxTxD, self.wq[...].astype(dt))
         k_BxTxKxH = linear(x_BxTxD, self.wk[...].astype(dt))
         v_BxTxKxH = linear(x_BxTxD, self.wv[...].astype(dt))
-        if self.arch == "gpt2":
+        if self.qkv_bias:
             q_BxTxNxH += self.bq[...].astype(dt)
             k_BxTxKxH += self.bk[...].astype(dt)
             v_BxTxKxH += self.bv[...].astype(dt)
+        if self.qk_norm:
+            q_BxTxNxH = rms_norm(q_BxTxNxH, self.q_norm[...], self.eps)
+            k_BxTxKxH = rms_norm(k_BxTxKxH, self.k_norm[...], self.eps)
         return q_BxTxNxH, k_BxTxKxH, v_BxTxKxH
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
