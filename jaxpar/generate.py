@@ -65,8 +65,9 @@ def param_shardings(cfg: Config, mesh) -> dict:
 
 def generate(cfg: Config | ModelConfig, params: dict, prompt_ids: Sequence[int], max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, seed: int = 0, mesh=None,
-             eos_id: int | None = None) -> list[int]:
-    """The new token ids after `prompt_ids` (at most `max_new_tokens`; stops after `eos_id`).
+             eos_id: int | Sequence[int] | None = None) -> list[int]:
+    """The new token ids after `prompt_ids` (at most `max_new_tokens`; stops after `eos_id`, or
+    after any of several).
 
     temperature 0: greedy (argmax); else sampling from softmax(logits / temperature), restricted
     to the `top_k` most likely tokens when given; token i uses key fold_in(key(seed), i), so a
@@ -103,8 +104,9 @@ def generate(cfg: Config | ModelConfig, params: dict, prompt_ids: Sequence[int],
     key, temperature = jax.random.key(seed), np.float32(temperature)
     token, cache = prefill(params, jnp.asarray([list(prompt_ids)], jnp.int32), cache, key, temperature)
     out = [int(token[0])]
+    stop = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     for pos in range(len(prompt_ids), length - 1):
-        if eos_id is not None and out[-1] == eos_id:
+        if out[-1] in stop:
             break
         token, cache = step(params, token, cache, np.int32(pos), key, np.int32(len(out)), temperature)
         out.append(int(token[0]))
@@ -225,9 +227,9 @@ def main(argv=None) -> int:
 
         cfg, params, mesh, folder = load(args.run_dir, args.hf, args.model_parallel)
         tok = load_tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else byte_tokenizer()
-        ids = tok.encode(args.prompt)
+        ids = tok.prompt_ids(args.prompt)
         new = generate(cfg, params, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed, mesh,
-                       eos_id=tok.eos_id)
+                       eos_id=tok.stop_ids or tok.eos_id)
         print(tok.decode(list(ids) + new))
         return 0
     except JaxparError as e:

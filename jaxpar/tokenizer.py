@@ -23,8 +23,19 @@ class Tokenizer:
     """`byte` or the path of the tokenizer.json it was read from."""
     vocab_size: int
     encode: Callable[[str], list[int]]
+    """Text to ids, nothing added (`data prepare`'s documents)."""
     decode: Callable[[Sequence[int]], str]
     eos_id: int | None = None
+    """The end-of-text id that separates documents, if the vocabulary has one."""
+    encode_prompt: Callable[[str], list[int]] | None = None
+    """A prompt to ids as the family's tokenizer makes one: with the special tokens its
+    tokenizer.json's post-processor adds (Llama 2 and 3, Mistral: a BOS; Qwen, GPT-2: none)."""
+    stop_ids: tuple[int, ...] = ()
+    """Ids generation stops at: generation_config.json's eos_token_id (an id or a list, e.g.
+    Llama 3.1's end_of_text, eom and eot), else eos_id."""
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return (self.encode_prompt or self.encode)(text)
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -51,5 +62,25 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise TokenizerError(f"tokenizer file {path!r} cannot be read ({e}); pass a valid tokenizer.json.") from None
     eos = next((tok.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
                 if tok.token_to_id(t) is not None), None)
+    stop = _generation_stop_ids(os.path.join(os.path.dirname(path), "generation_config.json"))
     return Tokenizer(path, tok.get_vocab_size(), lambda text: tok.encode(text, add_special_tokens=False).ids,
-                     lambda ids: tok.decode([int(i) for i in ids]), eos)
+                     lambda ids: tok.decode([int(i) for i in ids]), eos,
+                     lambda text: tok.encode(text, add_special_tokens=True).ids,
+                     stop if stop else (() if eos is None else (eos,)))
+
+
+def _generation_stop_ids(path: str) -> tuple[int, ...]:
+    """eos_token_id of a generation_config.json (an int or a list), () without one."""
+    if not os.path.isfile(path):
+        return ()
+    import json
+
+    try:
+        with open(path) as f:
+            value = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise TokenizerError(f"{path!r} cannot be read as a JSON object ({e}); fix or remove it.") from None
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise TokenizerError(f"{path!r} has eos_token_id = {value!r}; it must be a token id or a list of them.")
+    return tuple(ids)

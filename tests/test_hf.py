@@ -375,6 +375,7 @@ def test_generate_uses_the_folder_tokenizer(folders, tmp_path, capsys):
     from jaxpar import generate as gen
 
     src = _copy(folders["gpt2"], tmp_path / "src")
+    os.remove(os.path.join(src, "generation_config.json"))  # (its eos_token_id 0 would stop generation at <unk>)
     words = ["<unk>"] + [f"w{k}" for k in range(VOCAB - 1)]
     tok = Tokenizer(models.WordLevel({w: k for k, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -386,6 +387,39 @@ def test_generate_uses_the_folder_tokenizer(folders, tmp_path, capsys):
     assert gen.main(["--run-dir", str(run), "--prompt", "w98 w97", "--max-new-tokens", "4", "--temperature", "0"]) == 0
     text = capsys.readouterr().out.split()
     assert text[:2] == ["w98", "w97"] and len(text) == 6 and all(w in words for w in text), text
+
+
+def test_generate_adds_the_familys_bos_and_stops_at_its_eos_ids(folders, loaded, tmp_path, capsys):
+    """The prompt gets the special tokens the folder's tokenizer.json post-processor adds (a BOS, as
+    Llama's and Mistral's do; Qwen's and GPT-2's add none), and generation stops at any id of
+    generation_config.json's eos_token_id list (Llama 3.1 lists three)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from jaxpar import generate as gen
+
+    src = _copy(folders["llama"], tmp_path / "src")
+    os.remove(os.path.join(src, "generation_config.json"))  # written below
+    words = ["<unk>", "<s>"] + [f"w{k}" for k in range(VOCAB - 2)]
+    tok = Tokenizer(models.WordLevel({w: k for k, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>"])  # (id 1: in the vocabulary already; decode leaves it out)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(os.path.join(src, "tokenizer.json"))
+    cfg, params = loaded["llama"]
+    prompt = [words.index("w90"), words.index("w7")]
+    greedy = generate(cfg, params, [1, *prompt], 6)
+    assert greedy != generate(cfg, params, prompt, 6), "the BOS should change what a random model says"
+
+    def run():
+        capsys.readouterr()
+        assert gen.main(["--hf", src, "--prompt", "w90 w7", "--max-new-tokens", "6", "--temperature", "0"]) == 0
+        return capsys.readouterr().out.split()[2:]
+
+    assert run() == [words[i] for i in greedy]
+    with open(os.path.join(src, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": [VOCAB - 1, greedy[2]]}, f)
+    stop = greedy.index(greedy[2]) + 1
+    assert run() == [words[i] for i in greedy[:stop]]
 
 
 def _write_config(folder, **changes) -> None:
