@@ -546,9 +546,11 @@ def test_single_kv_head_under_tensor_parallelism(tmp_path):
 # Fine-tuning: prepared text + model.init_from, then generation from the run's checkpoint
 
 
-def test_finetune_from_hf_lowers_validation_loss(folders, tmp_path, capsys):
-    """Three commands of README: `data prepare` (a tokenizer.json), train with `init_from` on a
-    (2, 2, 2) mesh, generate from the run directory."""
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_finetune_from_hf_lowers_validation_loss(family, folders, tmp_path, capsys):
+    """README's fine-tuning path: `data prepare` (a tokenizer.json), train with `init_from` on a
+    (2, 2, 2) mesh, generate from the run directory, export the trained weights as a Hugging Face
+    folder of the same family that transformers loads and agrees with."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     import jaxpar
@@ -570,9 +572,9 @@ def test_finetune_from_hf_lowers_validation_loss(folders, tmp_path, capsys):
 
     run = tmp_path / "run"
     cfg = jaxpar.load_config(None, [
-        *(f"model.{k}={v}" for k, v in dataclasses.asdict(hf.config_from_hf(folders["llama"], seq_len=SEQ)).items()
+        *(f"model.{k}={v}" for k, v in dataclasses.asdict(hf.config_from_hf(folders[family], seq_len=SEQ)).items()
           if v is not None),
-        f"model.init_from={folders['llama']}", f"data.source={tmp_path / 'data'}",
+        f"model.init_from={folders[family]}", f"data.source={tmp_path / 'data'}",
         "mesh.data=2", "mesh.stage=2", "mesh.model=2", "parallel.microbatches=2",
         "train.steps=12", "train.global_batch=8", "train.lr=3e-3", "train.warmup_steps=1", "train.log_every=1",
         "train.eval_every=1", "train.eval_batches=2", "train.checkpoint_every=12", f"train.run_dir={run}"])
@@ -583,10 +585,26 @@ def test_finetune_from_hf_lowers_validation_loss(folders, tmp_path, capsys):
     loop = importlib.import_module("jaxpar.train.loop")
     program = build(cfg)
     start = jax.device_get(loop._init_state(cfg, program).params)
-    want = jax.device_get(hf.load_params(folders["llama"], cfg, _one_device(cfg)))
+    want = jax.device_get(hf.load_params(folders[family], cfg, _one_device(cfg)))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(want), strict=True))
     capsys.readouterr()
     assert gen.main(["--run-dir", str(run), "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "4",
                      "--temperature", "0"]) == 0
     out = capsys.readouterr().out.split()
     assert out[:4] == ["w1", "w2", "w3", "w4"] and len(out) == 8 and all(w in words for w in out), out
+
+    from jaxpar import convert
+    from jaxpar.train.checkpoint import restore_params
+
+    exported = tmp_path / "exported"
+    assert convert.main(["--run-dir", str(run), "--to-hf", str(exported)]) == 0
+    with open(exported / "config.json") as f:
+        assert json.load(f)["model_type"] == family
+    trained = restore_params(str(run), _one_device(cfg))[1]
+    ids = np.asarray([[words.index(f"w{1 + i % 12}") for i in range(SEQ)]])
+    ours = np.asarray(model.apply(cfg.model, trained, jnp.asarray(ids)))[..., :VOCAB]
+    with torch.no_grad():
+        theirs = _torch_model(str(exported))(torch.tensor(ids)).logits.numpy()
+    assert np.abs(ours - theirs).max() < 1e-4, np.abs(ours - theirs).max()  # float32 rounding (~1e-6)
+    assert not np.allclose(ours, np.asarray(model.apply(cfg.model, want, jnp.asarray(ids)))[..., :VOCAB]), \
+        "the export should hold the trained weights, not the starting ones"
