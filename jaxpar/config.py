@@ -64,6 +64,10 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm over head_dim of each query and key head before RoPE (llama architecture; Qwen 3),
     one scale of head_dim shared by the heads."""
+    hf_model_type: Literal["mistral"] | None = None
+    """The Hugging Face model_type a llama-architecture model exports as when its options do not
+    decide it (Mistral is the llama architecture under its own name): set by the import of a
+    Mistral folder; null exports llama, qwen2 (qkv_bias) or qwen3 (qk_norm)."""
     tie_embeddings: bool | None = None
     """Whether the output projection is the token embedding, transposed (one matrix, its gradient
     the sum of both uses): null takes the architecture's (gpt2 tied, llama untied); true for

@@ -135,7 +135,8 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
                       d_ff=i("intermediate_size"), norm_eps=f("rms_norm_eps", 1e-6),
                       rope_theta=f("rope_theta", 10000.0), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                       head_dim=None if head_dim == d // n and d % n == 0 else head_dim,
-                      qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+                      qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+                      hf_model_type="mistral" if arch == "mistral" else None)
         if rope_type != "default":
             sv = lambda key: _value({**scaling, "model_type": f"{arch} with {rope_type} RoPE"}, path, key)  # noqa: E731
             fields.update(rope_scaling=rope_type, rope_factor=float(sv("factor")))
@@ -183,8 +184,10 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         if cfg.qkv_bias and cfg.qk_norm:
             raise HFError("model.qkv_bias and model.qk_norm together have no Hugging Face family (qwen2 has the "
                           "biases, qwen3 the norms); export a model with one of them.")
-        family, name = ("qwen3", "Qwen3") if cfg.qk_norm else ("qwen2", "Qwen2") if cfg.qkv_bias else ("llama", "Llama")
-        extra = {"use_sliding_window": False} if family != "llama" else {}
+        family, name = ("qwen3", "Qwen3") if cfg.qk_norm else ("qwen2", "Qwen2") if cfg.qkv_bias else \
+            ("mistral", "Mistral") if cfg.hf_model_type == "mistral" else ("llama", "Llama")
+        extra = {"use_sliding_window": False} if family in ("qwen2", "qwen3") else \
+            {"sliding_window": None} if family == "mistral" else {}
         if family == "qwen2":
             extra["attention_bias"] = None  # (not a Qwen 2 key: its q, k, v always have biases)
         return {k: v for k, v in {
@@ -194,7 +197,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "attention_bias": False, "mlp_bias": False,
             "tie_word_embeddings": cfg.tied, "initializer_range": cfg.init_std, "torch_dtype": dtype, **extra,
-        }.items() if v is not None or k == "rope_scaling"}
+        }.items() if v is not None or k in ("rope_scaling", "sliding_window")}
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
         "n_embd": cfg.d_model, "n_inner": cfg.d_ff, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,

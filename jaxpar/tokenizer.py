@@ -34,6 +34,9 @@ class Tokenizer:
     """Ids generation stops at: generation_config.json's eos_token_id (an id or a list, e.g.
     Llama 3.1's end_of_text, eom and eot), else eos_id."""
 
+    encode_offsets: Callable[[str], tuple[list[int], list[tuple[int, int]]]] | None = None
+    """Text to ids and each id's (start, end) character offsets, nothing added (`prepare --chat`)."""
+
     def prompt_ids(self, text: str) -> list[int]:
         return (self.encode_prompt or self.encode)(text)
 
@@ -66,7 +69,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return Tokenizer(path, tok.get_vocab_size(), lambda text: tok.encode(text, add_special_tokens=False).ids,
                      lambda ids: tok.decode([int(i) for i in ids]), eos,
                      lambda text: tok.encode(text, add_special_tokens=True).ids,
-                     stop if stop else (() if eos is None else (eos,)))
+                     stop if stop else (() if eos is None else (eos,)),
+                     lambda text: (lambda e: (e.ids, e.offsets))(tok.encode(text, add_special_tokens=False)))
 
 
 def _generation_stop_ids(path: str) -> tuple[int, ...]:

@@ -111,7 +111,8 @@ def test_composition_matches_single_device_full_matrix(case):
 # adds: a tied head (Llama 3.2: the first stage's lookup plus the last stage's head, vocab-parallel
 # under TP) with Llama 3.1's RoPE scaling; q, k, v biases (Qwen 2: split over `model` with their
 # heads, replicated with kv heads for t > 2); q and k norms with head_dim 8 != d_model / n_heads = 4
-# (Qwen 3: the norm scales shared by the heads of every model rank).
+# (Qwen 3: the norm scales shared by the heads of every model rank). (4, 1, 2) adds sequence
+# parallelism.
 FAMILY_OPTIONS = {
     "tied-llama3": {"tie_embeddings": True, "rope_scaling": "llama3", "rope_factor": 8.0, "rope_original_context": 32},
     "qkv-bias": {"qkv_bias": True},
@@ -122,12 +123,12 @@ FAMILY_CASES = [(o, mesh, s, z) for o in FAMILY_OPTIONS
 
 
 @pytest.mark.parametrize("options, mesh, schedule, zero", FAMILY_CASES,
-                         ids=[f"{o}-{'x'.join(map(str, m))}-{s or 'accum'}-zero{z}" for o, m, s, z in FAMILY_CASES])
+                         ids=[f"{o}-{'x'.join(map(str, m))}-{s or 'accum-sp'}-zero{z}" for o, m, s, z in FAMILY_CASES])
 def test_llama_family_options_compose(options, mesh, schedule, zero):
     """Each option computes the single-device function under pipelining, TP and ZeRO. (Against
     transformers: test_hf.py.)"""
     cfg = composed(*mesh, schedule, zero, "microbatch" if zero == 3 else None, "llama").replace(
-        model=FAMILY_OPTIONS[options])
+        model=FAMILY_OPTIONS[options], parallel={"sequence_parallel": schedule is None})  # SP on (4, 1, 2)
     shapes = model.param_shapes(cfg.model)
     assert ("lm_head" in shapes) != cfg.model.tied and ("bq" in shapes["blocks"]["attn"]) == cfg.model.qkv_bias
     check_parity(cfg)

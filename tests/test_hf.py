@@ -249,6 +249,8 @@ def test_round_trip(arch, folders, loaded, batch, tmp_path):
     for f in os.listdir(folders[arch]):
         if f.endswith(".safetensors"):
             original |= load_file(os.path.join(folders[arch], f))
+    with open(out / "config.json") as f, open(os.path.join(folders[arch], "config.json")) as g:
+        assert json.load(f)["model_type"] == json.load(g)["model_type"], "each family exports as itself"
     exported = load_file(str(out / "model.safetensors"))
     assert set(exported) == set(original)
     for name, x in exported.items():

@@ -135,6 +135,21 @@ def _documents(path: str, progress: Callable[[int], None]) -> Iterator[Iterator[
         yield iter(record["text"].splitlines(keepends=True))
 
 
+def _conversations(path: str, progress: Callable[[int], None]) -> Iterator[list[dict]]:
+    """The messages of each conversation of a .jsonl file (`prepare --chat`)."""
+    from jaxpar.data.chat import check_conversation
+
+    for number, line in _lines(path, progress):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"input file {path!r} line {number} is not valid JSON (column {e.colno}: {e.msg}); "
+                            "write one conversation per line.") from None
+        yield check_conversation(record, f"input file {path!r} line {number}")
+
+
 def _chunks(lines: Iterator[str]) -> Iterator[str]:
     """Whole lines grouped into chunks that close at the first line end past CHUNK_CHARS characters,
     but never just before a blank line (a paragraph's trailing blank lines stay with it)."""
@@ -182,8 +197,13 @@ def token_dtype(vocab_size: int) -> str:
 
 
 def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", val_fraction: float = 0.01, *,
-            force: bool = False, progress: Callable[[int], None] | None = None) -> dict:
+            force: bool = False, progress: Callable[[int], None] | None = None, chat: bool = False) -> dict:
     """Tokenize `inputs` (files, directories, globs) into `out`/train.bin, val.bin and meta.json.
+
+    With `chat`, every input is a .jsonl of conversations (`{"messages": [...]}` per line), each
+    rendered with the tokenizer folder's chat template (`jaxpar.data.chat`) and kept whole (one
+    chunk, never split between train and val); `train.mask.bin` and `val.mask.bin` (one uint8 per
+    token) say which tokens the loss learns: those of the assistant turns.
 
     Everything is written under a temporary name next to `out` and renamed at the end, so `out`
     holds either nothing or a complete dataset. `force` replaces an existing prepared dataset
@@ -197,6 +217,18 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", val_fracti
     out = os.path.normpath(out)  # "data/out/" and "data/out" are one directory to rename onto
     _check_out(out, force)
     tok = load_tokenizer(tokenizer)
+    template = None
+    if chat:
+        from jaxpar.data.chat import ChatTemplate
+
+        bad = [f for f in files if not f.endswith(".jsonl")]
+        if bad:
+            raise DataError(f"--chat reads conversations from .jsonl files, but {_some(bad)} is not one; give only "
+                            ".jsonl files of {{\"messages\": [...]}} lines.")
+        if tok.encode_offsets is None:
+            raise DataError("--chat needs a tokenizer.json with a chat template beside it (tokenizer_config.json), "
+                            "not the byte tokenizer; pass --tokenizer with a chat model's folder.")
+        template = ChatTemplate(tokenizer)
     progress = progress or (lambda n: None)
     sep = np.asarray(separator(tok), np.int64)
     dtype = token_dtype(tok.vocab_size)
@@ -206,10 +238,28 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", val_fracti
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.tmp-", dir=parent)
     try:
         counts = {s: {"file": f"{s}.bin", "n_tokens": 0, "n_chunks": 0} for s in SPLITS}
+        if chat:
+            for s in SPLITS:
+                counts[s].update(mask_file=f"{s}.mask.bin", n_learned=0)
         n_docs = 0
         handles = {s: open(os.path.join(tmp, f"{s}.bin"), "wb") for s in SPLITS}
+        masks = {s: open(os.path.join(tmp, f"{s}.mask.bin"), "wb") for s in SPLITS} if chat else {}
         try:
             for path in files:
+                if chat:
+                    from jaxpar.data.chat import encode_conversation
+
+                    for messages in _conversations(path, progress):
+                        ids, mask = encode_conversation(template, tok.encode_offsets, messages)
+                        ids, mask = np.concatenate([ids, sep]), np.concatenate([mask, np.zeros(len(sep), np.uint8)])
+                        split = _assign(len(ids), counts, val_fraction)
+                        handles[split].write(ids.astype(dtype).tobytes())
+                        masks[split].write(mask.tobytes())
+                        counts[split]["n_tokens"] += len(ids)
+                        counts[split]["n_learned"] += int(mask.sum())
+                        counts[split]["n_chunks"] += 1
+                        n_docs += 1
+                    continue
                 for doc in _documents(path, progress):
                     for ids, last in _with_separator((_encode(tok, c) for c in _chunks(doc)), sep):
                         split = _assign(len(ids), counts, val_fraction)
@@ -218,7 +268,7 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", val_fracti
                         counts[split]["n_chunks"] += 1
                         n_docs += last
         finally:
-            for h in handles.values():
+            for h in [*handles.values(), *masks.values()]:
                 h.close()
         _check_splits(counts, val_fraction, files)
         meta = {
@@ -226,6 +276,8 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", val_fracti
             "separator": sep.tolist(), "dtype": dtype, "val_fraction": float(val_fraction), "chunk_chars": CHUNK_CHARS,
             "n_documents": n_docs, "n_bytes": sum(os.path.getsize(p) for p in files), **counts, "inputs": files,
         }
+        if chat:
+            meta["chat_template"] = template.path
         if tok.name != "byte":  # the dataset carries its tokenizer, so that its ids can be decoded later
             shutil.copyfile(tok.name, os.path.join(tmp, "tokenizer.json"))
             with open(tok.name, "rb") as f:
@@ -345,4 +397,8 @@ def read_meta(directory: str) -> dict:
         if os.path.getsize(file) != meta[s]["n_tokens"] * itemsize:
             raise DataError(f"{file!r} has {os.path.getsize(file)} bytes, but meta.json says {meta[s]['n_tokens']} "
                             f"{meta['dtype']} tokens; the file was changed or truncated, prepare the directory again.")
+        mask = os.path.join(directory, meta[s]["mask_file"]) if "mask_file" in meta[s] else None
+        if mask is not None and (not os.path.isfile(mask) or os.path.getsize(mask) != meta[s]["n_tokens"]):
+            raise DataError(f"{mask!r} should hold one loss-mask byte per token of {file!r} ({meta[s]['n_tokens']}); "
+                            "the file is missing or truncated, prepare the directory again.")
     return meta

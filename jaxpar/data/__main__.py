@@ -26,6 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokenizer", default="byte", help="`byte` (default) or a tokenizer.json (or a folder holding one)")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of tokens for validation (default 0.01)")
     p.add_argument("--force", action="store_true", help="replace a dataset already prepared in --out")
+    p.add_argument("--chat", action="store_true",
+                   help=".jsonl conversations ({\"messages\": [...]}) rendered with the tokenizer folder's chat "
+                        "template; the loss learns the assistant turns only")
     args = parser.parse_args(argv)
 
     from rich.console import Console
@@ -39,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with bar:
             task = bar.add_task("prepare", total=sum(os.path.getsize(f) for f in files))
             meta = prepare(files, args.out, args.tokenizer, args.val_fraction, force=args.force,
-                           progress=lambda n: bar.advance(task, n))
+                           progress=lambda n: bar.advance(task, n), chat=args.chat)
     except JaxparError as e:
         print(f"error: {e}", file=sys.stderr)  # one line, never wrapped: scripts grep for it
         return 2

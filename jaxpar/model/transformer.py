@@ -62,7 +62,7 @@ class Transformer(nnx.Module):
     def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
         """Token (and, for gpt2, position) embeddings [B, T, D] in the compute dtype."""
         cfg = self.cfg
-        x_BxTxD = embed_lookup(self.embed[...].astype(cfg.dtype), tokens_BxT)
+        x_BxTxD = embed_lookup(self.embed[...].astype(cfg.dtype), token_ids(tokens_BxT))
         if cfg.arch == "gpt2":
             x_BxTxD = x_BxTxD + local_seq(self.pos_embed[:tokens_BxT.shape[1]].astype(cfg.dtype))[None]
         return constrain(x_BxTxD, ("batch", "sp_seq", "embed"))
@@ -83,6 +83,12 @@ class Transformer(nnx.Module):
         logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, w_DxV.astype(cfg.dtype),
                                   preferred_element_type=jnp.float32)
         return constrain(logits_BxTxV, ("batch", "seq", "vocab"))
+
+
+def token_ids(tokens_BxT: jax.Array) -> jax.Array:
+    """The ids of a batch's tokens: a token the loss does not learn arrives as ~id (chat data's
+    context, `jaxpar.train.data.with_mask`) and is read as id."""
+    return jnp.maximum(tokens_BxT, ~tokens_BxT)
 
 
 def run_blocks(blocks: Block, x_BxTxD: jax.Array, remat: str, names: Any, n_active: jax.Array | None = None

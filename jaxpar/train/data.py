@@ -77,13 +77,23 @@ def _open_tokens(path: str, dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
 
 
+def with_mask(tokens: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """A window's ids as the step reads them: a token the loss does not learn (mask 0; chat data's
+    context) as its bitwise complement ~id = -id - 1, which the model reads back as id
+    (`model.transformer.token_ids`) and the loss skips as a target (`train.step.cross_entropy_sum`)."""
+    out = tokens.astype(np.int32)
+    return out if mask is None else np.where(mask.astype(bool), out, ~out)
+
+
 class TokenFileSource:
     """A flat binary file of token ids (uint16 or uint32, as nanoGPT and Megatron write them),
     memory-mapped; row r of step k is a window at an offset drawn from (seed, k, r)."""
 
-    def __init__(self, path: str, dtype: str, vocab_size: int, seq_len: int, seed: int, check_ids: bool = True):
+    def __init__(self, path: str, dtype: str, vocab_size: int, seq_len: int, seed: int, check_ids: bool = True,
+                 mask_path: str | None = None):
         # check_ids=False when meta.json vouches for the ids (a prepared directory): no pass over the file.
         self.tokens = _open_tokens(path, dtype)
+        self.mask = None if mask_path is None else _open_tokens(mask_path, "uint8")
         self.seq_len, self.seed = seq_len, seed
         n = len(self.tokens)
         if n < seq_len + 1:
@@ -104,7 +114,7 @@ class TokenFileSource:
         out = np.empty((len(rows), n), np.int32)
         for i, r in enumerate(rows):
             start = int(_row_rng(self.seed, step, r).integers(0, last + 1))
-            out[i] = self.tokens[start:start + n]
+            out[i] = with_mask(self.tokens[start:start + n], None if self.mask is None else self.mask[start:start + n])
         return out
 
 
@@ -113,8 +123,9 @@ class EvalWindows:
     file (first at 0, last at the end), not overlapping (consecutive windows may share one edge
     token, never a predicted one). Row r of batch i is window i * global_batch + r."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int, global_batch: int):
-        self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
+    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int, global_batch: int,
+                 mask: np.ndarray | None = None):
+        self.tokens, self.seq_len, self.global_batch, self.mask = tokens, seq_len, global_batch, mask
         span = len(tokens) - (seq_len + 1)
         assert n_windows >= 1 and span >= (n_windows - 1) * seq_len, (len(tokens), n_windows, seq_len)
         self.starts = np.arange(n_windows, dtype=np.int64) * span // max(n_windows - 1, 1)
@@ -124,7 +135,7 @@ class EvalWindows:
         out = np.empty((len(rows), n), np.int32)
         for i, r in enumerate(rows):
             start = int(self.starts[step * self.global_batch + r])
-            out[i] = self.tokens[start:start + n]
+            out[i] = with_mask(self.tokens[start:start + n], None if self.mask is None else self.mask[start:start + n])
         return out
 
 
@@ -152,7 +163,9 @@ def make_source(cfg: Config) -> SyntheticSource | TokenFileSource:
     if os.path.isdir(cfg.data.source):
         meta = _prepared_meta(cfg)
         path = os.path.join(cfg.data.source, meta["train"]["file"])
-        return TokenFileSource(path, meta["dtype"], m.vocab_size, m.seq_len, cfg.train.seed, check_ids=False)
+        mask = meta["train"].get("mask_file")
+        return TokenFileSource(path, meta["dtype"], m.vocab_size, m.seq_len, cfg.train.seed, check_ids=False,
+                               mask_path=None if mask is None else os.path.join(cfg.data.source, mask))
     return TokenFileSource(cfg.data.source, cfg.data.dtype, m.vocab_size, m.seq_len, cfg.train.seed)
 
 
@@ -183,7 +196,15 @@ def make_eval_source(cfg: Config) -> SyntheticSource | EvalWindows:
                         f"= {m.seq_len + 1}, fewer than train.eval_batches x train.global_batch = "
                         f"{tr.eval_batches} x {tr.global_batch} = {need}; {fix}, or prepare the data with a larger "
                         "--val-fraction.")
-    return EvalWindows(tokens, m.seq_len, need, tr.global_batch)
+    mask = meta["val"].get("mask_file")
+    return EvalWindows(tokens, m.seq_len, need, tr.global_batch,
+                       None if mask is None else _open_tokens(os.path.join(src, mask), "uint8"))
+
+
+def has_loss_mask(cfg: Config) -> bool:
+    """Whether data.source is a prepared directory with a loss mask (`prepare --chat`)."""
+    src = cfg.data.source
+    return src != "synthetic" and os.path.isdir(src) and "mask_file" in read_meta(src)["train"]
 
 
 def batch_at(source, step: int, global_batch: int, sharding: NamedSharding) -> jax.Array:

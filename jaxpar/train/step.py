@@ -29,6 +29,7 @@ from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_m
 from jaxpar.parallel.gradients import make_loss_and_grads
 from jaxpar.parallel.zero import Layout, make_layout
 from jaxpar.sharding import compute_rules, vocab_offset, vocab_reduce
+from jaxpar.train.data import has_loss_mask
 from jaxpar.train.optim import lr_schedule, make_optimizer, stored_params, upcast_at_use
 
 
@@ -62,7 +63,8 @@ def cross_entropy_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array, vocab_siz
     sumexp_BxT = vocab_reduce(jnp.sum(jnp.exp(logits_BxTxV - max_BxT[..., None]), axis=-1), "sum")
     target_BxT = vocab_reduce(jnp.sum(jnp.where(ids_BxTxV == targets_BxT[..., None], logits_BxTxV, 0.0), axis=-1),
                               "sum")
-    return jnp.sum(max_BxT + jnp.log(sumexp_BxT) - target_BxT)
+    # A negative target (~id: chat data's context, `train.data.with_mask`) is not learned.
+    return jnp.sum(jnp.where(targets_BxT >= 0, max_BxT + jnp.log(sumexp_BxT) - target_BxT, 0.0))
 
 
 def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: int | None = None) -> jax.Array:
@@ -127,8 +129,13 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     param_shardings, grad_shardings, moment_shardings = shard(layout.params), shard(layout.grads), shard(layout.moments)
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, compute_rules(cfg, mesh).spec(("batch", None)))
+    masked = has_loss_mask(cfg)
     if cfg.parallel.data_mode == "naive":  # torch DataParallel's pattern, for comparison: its own step
         from jaxpar.parallel import naive
+
+        if masked:
+            raise ConfigError(f"data.source = {cfg.data.source!r} has a loss mask (chat data), which "
+                              "parallel.data_mode = naive does not apply; use data_mode ddp.")
 
         return naive.build(cfg, mesh, layout, optimizer, schedule, lambda p, rows, n: loss_fn(cfg, p, rows, n),
                            shapes, batch_sharding)
@@ -172,6 +179,11 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
 
     def grads_at(params, batch):
         loss, g = loss_and_grads(for_grads(params), batch)
+        if masked:
+            # The executors divide the summed loss by every target of the batch; with a loss mask
+            # the mean is over the learned ones: one scale of the loss and every gradient.
+            scale = (cfg.train.global_batch * cfg.model.seq_len) / jnp.maximum(jnp.sum(batch[:, 1:] >= 0), 1)
+            loss, g = loss * scale, jax.tree.map(lambda x: (x * scale).astype(x.dtype), g)
         return loss, grads_for_optimizer(g)
 
     def update(params_and_opt_state, g, grad_norm):
