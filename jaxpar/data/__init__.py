@@ -116,19 +116,24 @@ def _lines(path: str, progress: Callable[[int], None]) -> Iterator[tuple[int, st
                         "make it readable or leave it out.") from None
 
 
+def _records(path: str, progress: Callable[[int], None], like: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) of each non-blank line of a .jsonl file; `like` shows a line."""
+    for number, line in _lines(path, progress):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"input file {path!r} line {number} is not valid JSON (column {e.colno}: {e.msg}); "
+                            f"write one object per line, like {like}.") from None
+
+
 def _documents(path: str, progress: Callable[[int], None]) -> Iterator[Iterator[str]]:
     """Each document of a file, as an iterator over its lines."""
     if path.endswith(".txt"):
         yield (line for _, line in _lines(path, progress))
         return
-    for number, line in _lines(path, progress):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"input file {path!r} line {number} is not valid JSON (column {e.colno}: {e.msg}); "
-                            "write one object per line, like {\"text\": \"...\"}.") from None
+    for number, record in _records(path, progress, '{"text": "..."}'):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise DataError(f"input file {path!r} line {number} has no string field `text`; write one object per "
                             "line, like {\"text\": \"...\"}.")
@@ -139,14 +144,7 @@ def _conversations(path: str, progress: Callable[[int], None]) -> Iterator[list[
     """The messages of each conversation of a .jsonl file (`prepare --chat`)."""
     from jaxpar.data.chat import check_conversation
 
-    for number, line in _lines(path, progress):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"input file {path!r} line {number} is not valid JSON (column {e.colno}: {e.msg}); "
-                            "write one conversation per line.") from None
+    for number, record in _records(path, progress, '{"messages": [...]}'):
         yield check_conversation(record, f"input file {path!r} line {number}")
 
 
