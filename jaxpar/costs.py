@@ -532,7 +532,8 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
         out.append(Collective("all-reduce", ("model",), A, 2 * micro))  # embedding fwd, head input bwd
     small = 0
     if m.kv_heads % t:  # replicated kv projections: their weight gradients summed over model ranks
-        small += 2 * (m.d_model + m.qkv_bias) * m.kv_heads * m.head_size * _BYTES[m.param_dtype]
+        bias = 1 if m.qkv_bias else 0  # (and their biases' gradients)
+        small += 2 * (m.d_model + bias) * m.kv_heads * m.head_size * _BYTES[m.param_dtype]
     if m.qk_norm and t > 1:  # the q and k norm scales, shared by heads on every model rank
         small += 2 * m.head_size * _BYTES[m.param_dtype]
     if sp:  # norm parameters see a slice of the sequence on each rank

@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         tok = load_tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else byte_tokenizer()
         ids = tok.prompt_ids(args.prompt)
         new = generate(cfg, params, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed, mesh,
-                       eos_id=tok.stop_ids or tok.eos_id)
+                       eos_id=tok.stop_ids)
         print(tok.decode(list(ids) + new))
         return 0
     except JaxparError as e:

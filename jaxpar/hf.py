@@ -186,18 +186,21 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
                           "biases, qwen3 the norms); export a model with one of them.")
         family, name = ("qwen3", "Qwen3") if cfg.qk_norm else ("qwen2", "Qwen2") if cfg.qkv_bias else \
             ("mistral", "Mistral") if cfg.hf_model_type == "mistral" else ("llama", "Llama")
-        extra = {"use_sliding_window": False} if family in ("qwen2", "qwen3") else \
-            {"sliding_window": None} if family == "mistral" else {}
-        if family == "qwen2":
-            extra["attention_bias"] = None  # (not a Qwen 2 key: its q, k, v always have biases)
-        return {k: v for k, v in {
+        out = {
             "architectures": [f"{name}ForCausalLM"], "model_type": family, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
             "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "attention_bias": False, "mlp_bias": False,
-            "tie_word_embeddings": cfg.tied, "initializer_range": cfg.init_std, "torch_dtype": dtype, **extra,
-        }.items() if v is not None or k in ("rope_scaling", "sliding_window")}
+            "tie_word_embeddings": cfg.tied, "initializer_range": cfg.init_std, "torch_dtype": dtype,
+        }
+        if family == "qwen2":
+            del out["attention_bias"]  # not a Qwen 2 key: its q, k, v always have biases
+        if family in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = False
+        if family == "mistral":
+            out["sliding_window"] = None
+        return out
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
         "n_embd": cfg.d_model, "n_inner": cfg.d_ff, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
@@ -220,18 +223,19 @@ def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
 
 def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
     """The folder's ModelConfig, after checking that `cfg` describes the same function (shapes,
-    norm epsilon, RoPE base; seq_len within the folder's positions); raises HFError otherwise."""
+    norm epsilon, RoPE base and scaling, tie, q/k/v biases and norms; seq_len within the folder's
+    positions); raises HFError otherwise."""
     hf_cfg = config_from_hf(folder)
     path = os.path.join(folder, "config.json")
-    for key in ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "d_ff", "vocab_size", "norm_eps",
-                "tied", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    for key in ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "head_size", "d_ff", "vocab_size", "norm_eps",
+                "tied", "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                 "rope_original_context"):
         want, got = getattr(hf_cfg, key), getattr(cfg, key)
         used = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "rope_scaling", "rope_factor")}
         if key.startswith("rope") and (cfg.arch != "llama" or key not in used.get(hf_cfg.rope_scaling, (key,))):
             continue
         if want != got:
-            name = {"kv_heads": "n_kv_heads", "tied": "tie_embeddings"}.get(key, key)
+            name = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "tied": "tie_embeddings"}.get(key, key)
             raise HFError(f"model.{name} = {got!r} does not match {want!r} of {path!r}; set model.{name}={want} "
                           "(or start from another folder).")
     config_from_hf(folder, seq_len=cfg.seq_len)  # raises if seq_len exceeds the positions

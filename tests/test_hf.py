@@ -219,6 +219,13 @@ def test_load_refuses_another_model(folders):
         hf.load_params(folders["llama"], Config(model=cfg).replace(model={"d_ff": 128}), None)
     with pytest.raises(hf.HFError, match=r"seq_len = 64 exceeds the 32 positions"):
         hf.load_params(folders["gpt2"], dataclasses.replace(hf.config_from_hf(folders["gpt2"]), seq_len=64), None)
+    # The family options are part of the function: a Qwen 3 folder without q/k norms (they would be
+    # dropped silently), or with another head_dim, is refused by key.
+    qwen3 = Config(model=hf.config_from_hf(folders["qwen3"]))
+    with pytest.raises(hf.HFError, match=r"model.qk_norm = False does not match True"):
+        hf.load_params(folders["qwen3"], qwen3.replace(model={"qk_norm": False}), None)
+    with pytest.raises(hf.HFError, match=r"model.head_dim = 16 does not match 32"):
+        hf.load_params(folders["qwen3"], qwen3.replace(model={"head_dim": None}), None)
 
 
 @pytest.fixture(scope="module")

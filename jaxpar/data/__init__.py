@@ -217,12 +217,12 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", val_fracti
     tok = load_tokenizer(tokenizer)
     template = None
     if chat:
-        from jaxpar.data.chat import ChatTemplate
+        from jaxpar.data.chat import ChatTemplate, encode_conversation
 
         bad = [f for f in files if not f.endswith(".jsonl")]
         if bad:
             raise DataError(f"--chat reads conversations from .jsonl files, but {_some(bad)} is not one; give only "
-                            ".jsonl files of {{\"messages\": [...]}} lines.")
+                            ".jsonl files of {\"messages\": [...]} lines.")
         if tok.encode_offsets is None:
             raise DataError("--chat needs a tokenizer.json with a chat template beside it (tokenizer_config.json), "
                             "not the byte tokenizer; pass --tokenizer with a chat model's folder.")
@@ -245,8 +245,6 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", val_fracti
         try:
             for path in files:
                 if chat:
-                    from jaxpar.data.chat import encode_conversation
-
                     for messages in _conversations(path, progress):
                         ids, mask = encode_conversation(template, tok.encode_offsets, messages)
                         ids, mask = np.concatenate([ids, sep]), np.concatenate([mask, np.zeros(len(sep), np.uint8)])

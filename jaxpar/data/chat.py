@@ -13,6 +13,7 @@ template's role header. Every other token (system, user, headers) is context onl
 from __future__ import annotations
 
 import bisect
+import datetime
 import json
 import os
 from typing import Any
@@ -63,14 +64,14 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             self._template = env.from_string(template)
         except jinja2.exceptions.TemplateError as e:
             raise ChatError(f"the chat template of {path!r} does not parse ({e}); fix it or pass another "
                             "tokenizer.") from None
         self._jinja_error = jinja2.exceptions.TemplateError
-        self.path, self.source = path, template
+        self.path = path
         self.special = {k: _special(config.get(k)) for k in ("bos_token", "eos_token")}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
