@@ -46,6 +46,10 @@ MATRIX = {
     "gpt2-dp8-zero3": dict(arch="gpt2", mesh=(8, 1, 1), zero=3),
     "gpt2-3d-1f1b": dict(arch="gpt2", mesh=(2, 2, 2), microbatches=4),
     "gpt2-dp2-tp4-sp": dict(arch="gpt2", mesh=(2, 1, 4), sequence_parallel=True),
+    "dp2-tp4-dots": dict(mesh=(2, 1, 4), remat="dots"),
+    "dp2-pp4-zb": dict(mesh=(2, 4, 1), schedule="zb_h1", microbatches=4),
+    "pp4-tp2-zb-dots": dict(mesh=(1, 4, 2), schedule="zb_h1", microbatches=8, remat="dots"),
+    "gpt2-3d-1f1b-dots": dict(arch="gpt2", mesh=(2, 2, 2), microbatches=4, remat="dots"),
 }
 
 

@@ -335,9 +335,9 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # input and output cotangent for W.
         taps = rows * m.seq_len * layers * _tap_width(m, t) * _BYTES[m.dtype] if table.split else 0
         buffers = ((table.fwd_slots + table.bwd_slots) * msg + table.stash * (act["layers"] + msg)
-                   + (table.wstash + (par.remat != "full")) * taps)
-        # (+ I's output before it is written, measured on CPU; with remat `full` XLA writes it
-        # into the wstash in place.)
+                   + (table.wstash + (par.remat == "none")) * taps)
+        # (+ I's output before it is written, measured on CPU; with remat `dots` or `full` XLA
+        # writes it into the wstash in place.)
         grads = st["local"] * (f32 + g)
     grads += upcast
     logits = rows * m.seq_len * m.padded_vocab // t * 4
@@ -530,6 +530,11 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     else:
         out.append(Collective("all-reduce", ("model",), A, 2 * L * micro * (forwards + 1)))
         out.append(Collective("all-reduce", ("model",), A, 2 * micro))  # embedding fwd, head input bwd
+        if par.remat == "dots":
+            # Remat `dots` saves the matmul outputs, not what the all-reduce closing attention
+            # made of them; the norm after it needs that value, so the backward pass all-reduces
+            # again (the MLP's is the next layer's saved input; measured).
+            out.append(Collective("all-reduce", ("model",), A, L * micro))
     small = 0
     if m.kv_heads % t:  # replicated kv projections: their weight gradients summed over model ranks
         bias = 1 if m.qkv_bias else 0  # (and their biases' gradients)
@@ -606,8 +611,9 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[
     flops = hardware_flops_per_token(cfg, p) * tokens / (d * p * t)
     bubble = 0.0
     if p > 1:
-        # One microbatch through one stage's layers: F its forward FLOPs, B the rest (backward and
-        # the recomputed forward), at the stated fraction of peak; the simulator adds the bubble.
+        # One microbatch through one stage's layers: F its forward FLOPs, B the rest (the backward
+        # and what remat recomputes; a split table's I and W share it evenly), at the stated
+        # fraction of peak; the simulator adds the bubble.
         per_microbatch = flops / par.microbatches
         fwd = per_microbatch * (model_flops_per_token(cfg) / 3 + (2 * m.d_model * m.padded_vocab if m.tied
                                                                   else 0)) / hardware_flops_per_token(cfg, p)
@@ -671,10 +677,10 @@ def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[st
         # F: the chunk forward, the head's input gather and (its backward) scatter, the
         # embedding's scatter; B or I: the chunk backward (and what remat recomputes).
         gathers = (2 * Lc + 1) + (2 * Lc + regather + 2 * Lc * full)
-        scatters = (1 + 2 * Lc + 1) + (2 * Lc + 2 * Lc * full)
+        scatters = (1 + 2 * Lc + 1) + (2 * Lc + 2 * Lc * full + Lc * dots)
         static = ticks * (gathers * A + scatters * A / t)
     else:
-        again = 2 * Lc * full
+        again = 2 * Lc * full + Lc * dots  # (dots: attention's closing all-reduce, again)
         static = ticks * A * ((1 + 2 * Lc + 1) + (2 * Lc + again))
     executed = sum(c.bytes * c.count for c in _tensor_collectives(cfg, rows, t, par.sequence_parallel, _BYTES[m.dtype], p)
                    if c.bytes >= A / t)

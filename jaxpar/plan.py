@@ -78,7 +78,7 @@ def candidates(cfg: Config, devices: int, node_size: int):
                 continue
             per_data = B // d
             micro = [k for k in (2**i for i in range(12)) if per_data % k == 0 and k >= (p if p > 1 else 1)]
-            schedules = [("1f1b", 1)] if p == 1 else [("1f1b", 1), ("gpipe", 1), ("1f1b_one_action", 1),
+            schedules = [("1f1b", 1)] if p == 1 else [("1f1b", 1), ("zb_h1", 1), ("gpipe", 1), ("1f1b_one_action", 1),
                                                       ("interleaved_1f1b", 2)]
             for zero in (0, 1, 2, 3):
                 if d == 1 and zero:

@@ -48,6 +48,7 @@ MATRIX = {
     "3d-interleaved": dict(mesh=(2, 2, 2), schedule="interleaved_1f1b", virtual_stages=2, microbatches=4),
     "gpt2-3d-1f1b": dict(arch="gpt2", mesh=(2, 2, 2), microbatches=4),
     "gpt2-dp8-zero3": dict(arch="gpt2", mesh=(8, 1, 1), zero=3),
+    "pp4-tp2-zb-dots": dict(mesh=(1, 4, 2), schedule="zb_h1", microbatches=8, remat="dots"),
 }
 SLOW = {
     "one-device": dict(mesh=(1, 1, 1)),
@@ -58,6 +59,9 @@ SLOW = {
     "dp2-pp4-1f1b": dict(mesh=(2, 4, 1), microbatches=8),
     "pp8-full": dict(mesh=(1, 8, 1), L=8, microbatches=8, remat="full"),
     "gpt2-dp2-tp4-sp": dict(arch="gpt2", mesh=(2, 1, 4), sequence_parallel=True),
+    "dp2-tp4-dots": dict(mesh=(2, 1, 4), remat="dots"),
+    "dp2-pp4-zb": dict(mesh=(2, 4, 1), schedule="zb_h1", microbatches=4),
+    "gpt2-3d-1f1b-dots": dict(arch="gpt2", mesh=(2, 2, 2), microbatches=4, remat="dots"),
 }
 CASES = [pytest.param(k, id=k) for k in MATRIX] + [pytest.param(k, id=k, marks=pytest.mark.slow) for k in SLOW]
 
@@ -158,6 +162,8 @@ def test_every_ranked_configuration_passes_jaxpar_validation(tiny_plan):
     assert len(result.ranked) > 100  # every axis, ZeRO stage, schedule and remat policy is tried
     shapes = {e.shape for e in result.ranked}
     assert {(8, 1, 1), (1, 4, 2), (2, 2, 2), (2, 1, 4)} <= shapes
+    assert {e.cfg.parallel.schedule for e in result.ranked if e.shape[1] > 1} == {
+        "1f1b", "zb_h1", "gpipe", "1f1b_one_action", "interleaved_1f1b"}
     for e in result.ranked:
         validate(e.cfg)
         check_sizes(e.cfg, e.shape)
