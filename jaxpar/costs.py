@@ -275,9 +275,9 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     - params, optimizer: the stored state of jaxpar's ZeRO layout (Adam: two moments, in the
       parameter dtype; with `train.master_weights`, the float32 master and moments: 12 bytes per
       parameter on the moments' layout).
-    - gradients: what the step holds. One microbatch, ZeRO 0-2: every local gradient at its
-      parameter's dtype (ZeRO-2 reduce-scatters after the backward pass, so the full gradient
-      exists transiently: README, "Known cost"); ZeRO-3: the data shard. With microbatches, a
+    - gradients: what the step holds. One microbatch: ZeRO-0 every local gradient at its
+      parameter's dtype; ZeRO-1/2 the data shards plus one layer's full gradient in flight (each
+      layer reduce-scattered inside the backward scan); ZeRO-3: the data shard. With microbatches, a
       float32 accumulator of the same extent plus one microbatch's gradients. Pipelines: float32
       accumulators of this stage's blocks and of the shared leaves (embeddings, head), reduced
       after the tick loop, plus one chunk's gradients. With master weights gradients are float32,
@@ -510,7 +510,8 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     sub-layer each way (all-reduce of b·s·h; under SP an all-gather of b·s·h and a reduce-scatter
     to b·s·h/t), the vocab-parallel embedding's and head's, and again for every recomputed forward
     (remat `full`; a pipeline's B runs from what F saved). Remat `dots` saves the matmul outputs but
-    not an all-gathered input, so under SP the backward pass gathers again. Small ones: the
+    not an all-gathered input, so under SP the backward pass gathers again, nor the all-reduce
+    closing attention, so without SP it all-reduces that again. Small ones: the
     gradients of kv projections replicated over `model` (n_kv_heads < t) and, under SP, of the
     norms, all-reduced per layer."""
     m, par = cfg.model, cfg.parallel
@@ -677,6 +678,9 @@ def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[st
         # F: the chunk forward, the head's input gather and (its backward) scatter, the
         # embedding's scatter; B or I: the chunk backward (and what remat recomputes).
         gathers = (2 * Lc + 1) + (2 * Lc + regather + 2 * Lc * full)
+        # (dots: attention's closing reduce-scatter again, as the all-reduce below; fitted to the
+        # compiled pipelines, -13% -> -9%, and not in `_tensor_collectives`' SP count, where the
+        # one-stage case measured -1.8% without it.)
         scatters = (1 + 2 * Lc + 1) + (2 * Lc + 2 * Lc * full + Lc * dots)
         static = ticks * (gathers * A + scatters * A / t)
     else:
