@@ -285,13 +285,13 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
       (`jaxpar.train.optim.upcast_at_use` false) that copy is counted here too; where the upcast
       is per layer, reduced gradients are stored in the parameter dtype.
     - activations: the values JAX saves for the backward pass (`saved_activation_bytes`) of one
-      microbatch (two with accumulation: see below; pipelines: of one chunk, which B recomputes
-      from the stashed chunk input), plus the working set of the backward pass of one layer: its
+      microbatch (two with accumulation: see below; pipelines: of one chunk, which F stashes), plus the working set of the backward pass of one layer: its
       values that were not saved (recomputed) and, without a pipeline, at least half of its saved
       values again as cotangents; or the float32 cotangent of the logits, whichever is larger.
       These working sets are the modelled part (measured on CPU: README, "Planning a run").
-    - pipeline_buffers: the stash (chunk inputs) and the receive buffers the schedule table
-      declares, v chunks each.
+    - pipeline_buffers: the stash (F's residuals; with a split table also what I keeps for W,
+      written over them) and the receive buffers the schedule table declares, v chunks each, and
+      the wstash of what does not fit in a stash slot.
     """
     d, p, t = shape
     m, par = cfg.model, cfg.parallel
@@ -331,11 +331,13 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         act = _activations(chunk, rows, t, sp, par.remat, True, flash)
         msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * _BYTES[m.dtype]
         # F stashes what B needs (the chunk's saved activations, less its parameters, and the
-        # slot for the head's cotangent); with a split table, I stashes each weight matmul's
-        # input and output cotangent for W.
+        # slot for the head's cotangent); with a split table, I writes each weight matmul's
+        # input and output cotangent for W into that slot, over what it consumed, and what does
+        # not fit into the wstash (`pipeline._pack`: with remat `none` everything fits).
         taps = rows * m.seq_len * layers * _tap_width(m, t) * _BYTES[m.dtype] if table.split else 0
+        homeless = max(0, taps - (act["layers"] + msg))
         buffers = ((table.fwd_slots + table.bwd_slots) * msg + table.stash * (act["layers"] + msg)
-                   + (table.wstash + (par.remat == "none")) * taps)
+                   + table.wstash * homeless + (par.remat == "none") * taps)
         # (+ I's output before it is written, measured on CPU; with remat `dots` or `full` XLA
         # writes it into the wstash in place.)
         grads = st["local"] * (f32 + g)

@@ -4,10 +4,13 @@ Layers are cut into p contiguous chunks (stage s holds layers [s·L/p, (s+1)·L/
 the canonical `[layers, ...]` parameters, whose `layers` dim the storage rules already place on
 `stage`). The executor is a `lax.scan` over the table's ticks inside one shard_map manual over
 `stage` (and over `data` and `model` where they have more than one shard). In each tick every
-stage looks up its actions: F runs its chunk forward on a received activation (the first stage
-embeds the microbatch's tokens) and stashes the chunk input; B recomputes the chunk from the
-stash under `jax.vjp` (the last stage adds the head and the loss) and accumulates its parameter
-gradients in float32. One forward and one backward `ppermute` per tick move activations and
+stage looks up its actions: F runs its chunk forward under `jax.vjp` on a received activation
+(the first stage embeds the microbatch's tokens; the last adds the head, the loss and their
+backward) and stashes the residuals the remat policy keeps; B rebuilds the pullback from the
+stash (no second forward) and accumulates its parameter gradients in float32. With a split
+backward, I does B's input-gradient half and writes what W needs (each weight matmul's input
+and output cotangent) into the same stash slot, over residuals it has consumed; W computes the
+weight gradients from there and frees the slot (DESIGN.md §5). One forward and one backward `ppermute` per tick move activations and
 their gradients to the neighbouring stages; received messages wait in small buffers until their
 action's tick. Buffers and stash have the sizes the table declares, so a 1F1B table keeps
 O(p) microbatches of activations whatever m is.
@@ -307,10 +310,12 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
 
             y, saved, dsh_f, loss = jax.lax.cond(
                 fv > 0, run_f,
-                lambda: (zeros_like_varying(x_f), tuple(zeros_like_varying(g[0]) for g in stash),
+                lambda: (zeros_like_varying(x_f), tuple(zeros_like_varying(g[0]).reshape(sh_)
+                                                        for g, sh_ in zip(stash, stash_shapes)),
                          jax.tree.map(zeros_like_varying, diff_shared()),
                          zeros((), jnp.float32, (*data_axes, STAGE))))
-            saved_b = tuple(g[row["b_stash"][stage] + row["i_stash"][stage]] for g in stash)
+            saved_b = tuple(g[row["b_stash"][stage] + row["i_stash"][stage]].reshape(sh_)
+                            for g, sh_ in zip(stash, stash_shapes))
             if poison_idle:
                 saved_b = tuple(jnp.where(bv + iv > 0, s, jnp.nan) if jnp.issubdtype(s.dtype, jnp.floating) else s
                                 for s in saved_b)
@@ -318,32 +323,39 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
 
             def run_b():
                 d_rest, dsh, dx, d_taps = backward(saved_b, cot, bk)
-                d_taps = {k_: tuple(vary(a, varying_axes(wstash[k_][j])) for j, a in enumerate(xg))
-                          for k_, xg in (d_taps or {}).items()}
+                d_taps = {k_: tuple(vary(a, taps[k_][4]) for a in xg) for k_, xg in (d_taps or {}).items()}
                 return d_rest, dsh, dx, d_taps
 
             def no_b():
                 rest = {k_: w for k_, w in flat(diff_blocks(chunk_params(bk))).items() if k_ not in taps}
                 return (jax.tree.map(zeros_like_varying, rest), jax.tree.map(zeros_like_varying, diff_shared()),
-                        zeros_like_varying(x_f), {k_: (zeros_like_varying(a[0]), zeros_like_varying(b[0]))
-                                                  for k_, (a, b) in wstash.items()})
+                        zeros_like_varying(x_f), zero_taps())
 
             d_rest, dsh_b, dx, d_taps = jax.lax.cond(bv + iv > 0, run_b, no_b)
             g_blocks = add(g_blocks, d_rest, bk)
+            dw = {}
             if table.split:
-                # W: of this tick's fused B (a split table may hold some), and from the wstash.
+                # W: of this tick's fused B (a split table may hold some), and of an earlier I from
+                # what it wrote into its stash slot (and the wstash: what did not fit there).
                 zero_w = lambda: {k_: zeros_like_varying(g_blocks[k_][0]) for k_ in taps}  # noqa: E731
                 if table.rows["b_valid"].any():
                     g_blocks = add(g_blocks, jax.lax.cond(bv > 0, lambda: weight_grads(d_taps), zero_w), bk)
-                w_slot = row["w_wstash"][stage]
-                dw = jax.lax.cond(
-                    wv > 0, lambda: weight_grads({k_: (a[w_slot], b[w_slot]) for k_, (a, b) in wstash.items()}), zero_w)
+                def run_w():
+                    got = _read_items(stash, wstash, packing, row["w_stash"][stage], row["w_wstash"][stage])
+                    return weight_grads({k_: (got[(k_, 0)], got[(k_, 1)]) for k_ in taps})
+
+                dw = jax.lax.cond(wv > 0, run_w, zero_w)
                 g_blocks = add(g_blocks, dw, row["w_chunk"][stage])
-                i_slot, after_w = row["i_wstash"][stage], _after(*dw.values())
-                wstash = {k_: tuple(buf.at[i_slot].set(jnp.where(iv > 0, after_w(new), buf[i_slot]))
-                                    for buf, new in zip(wstash[k_], d_taps[k_])) for k_ in wstash}
-            f_slot, after_b = row["f_stash"][stage], _after(dx)
-            stash = tuple(s.at[f_slot].set(jnp.where(fv > 0, after_b(n), s[f_slot])) for s, n in zip(stash, saved))
+            # Every write of the stash and wstash after every read of them has been consumed (else
+            # XLA keeps a copy of the whole buffer): I's outputs for W into its own slot, over the
+            # residuals it has consumed (and the wstash), then F's residuals into its slot.
+            after = _after(dx, *dw.values())
+            if table.split:
+                new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
+                stash, wstash = _write_items(stash, wstash, packing, new, iv > 0, row["i_stash"][stage],
+                                             row["i_wstash"][stage], after)
+            f_slot = row["f_stash"][stage]
+            stash = tuple(s.at[f_slot].set(jnp.where(fv > 0, after(n).reshape(-1), s[f_slot])) for s, n in zip(stash, saved))
             g_shared = jax.tree.map(lambda a, g1, g2: a + g1.astype(jnp.float32) + g2.astype(jnp.float32),
                                     g_shared, dsh_f, dsh_b)
             # One hop per tick: activations to the next stage, gradients to the previous one; the
@@ -368,11 +380,18 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             saved_avals = jax.make_jaxpr(lambda x: forward(x, z, z)[1])(zeros(act_shape)).out_avals
             residuals.clear()
             # (A stash slot varies over `stage`, whatever its value does: the tables differ per stage.)
-            stash = tuple(zeros((table.stash, *a.shape), a.dtype, tuple(sorted({*aval_varying_axes(a), *data_axes, STAGE})))
+            # Each leaf's slots are stored flat, [slots, size] (I writes W's inputs into a slot by
+            # offset; a reshaped view of the loop's carry there made XLA copy the whole buffer).
+            stash_shapes = [a.shape for a in saved_avals]
+            stash = tuple(zeros((table.stash, a.size), a.dtype, tuple(sorted({*aval_varying_axes(a), *data_axes, STAGE})))
                           for a in saved_avals)
-            wstash = {k_: (zeros((table.wstash, n_chunk_layers, *xs), xd, ax),
-                           zeros((table.wstash, n_chunk_layers, *gs), gd, ax))
-                      for k_, (xs, xd, gs, gd, ax, _) in taps.items()}
+            # What I keeps for W (each tapped matmul's input and output cotangent) goes into its
+            # stash slot, over residuals that I has consumed; the wstash holds what does not fit.
+            items = {(k_, j): ((n_chunk_layers, *shape), dtype, ax) for k_, (xs, xd, gs, gd, ax, _) in taps.items()
+                     for j, (shape, dtype) in enumerate(((xs, xd), (gs, gd)))}
+            packing = _pack(items, [(s_.shape[1:], s_.dtype, varying_axes(s_)) for s_ in stash])
+            wstash = {key: zeros((table.wstash, *items[key][0]), items[key][1], items[key][2])
+                      for key in items if key not in packing}
             f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
             carry = (zeros((table.fwd_slots, *act_shape)), zeros((table.bwd_slots, *act_shape)), stash, wstash,
                      flat(f32_like(jax.tree.map(lambda w, dim, s: _seed(w, dim + 1, d) if s else w, blocks, block_dims,
@@ -429,6 +448,49 @@ def _after(*read_results: jax.Array) -> Callable[[jax.Array], jax.Array]:
         zero = jnp.where(jnp.isfinite(z), -jnp.abs(z) * 0.0, -0.0)  # -0.0, never NaN: x + -0.0 == x
         return x + vary(zero, varying_axes(x)).astype(x.dtype)
     return dep
+
+
+def _pack(items: dict, bins: list) -> dict:
+    """Where each of I's outputs for W goes in its stash slot: `items` key -> (shape, dtype, manual
+    axes), `bins` the stash leaves' (shape of one slot, dtype, axes); returns key -> (leaf, offset in
+    the leaf's flat slot, the item's shape) for the items that fit: largest first, each into the
+    leaf of the same dtype and manual-axis type with the least room that holds it (best fit: an
+    item lands in a residual of its own size where there is one, e.g. an output cotangent over the
+    matmul output it differentiates; measured, first fit into the attention probabilities held
+    19% more temp memory). With `remat: none` a slot's residuals hold everything W needs, so the
+    wstash stays empty; with `dots` or `full` the slot is smaller and the rest goes there."""
+    free = [int(np.prod(shape)) for shape, _, _ in bins]
+    out = {}
+    for key in sorted(items, key=lambda k: -int(np.prod(items[k][0]))):
+        shape, dtype, axes = items[key]
+        n = int(np.prod(shape))
+        fits = [i for i, (_, bdtype, baxes) in enumerate(bins)
+                if bdtype == dtype and tuple(sorted(baxes)) == tuple(sorted(axes)) and free[i] >= n]
+        if fits:
+            i = min(fits, key=lambda j: free[j])  # best fit
+            out[key] = (i, int(np.prod(bins[i][0])) - free[i], tuple(shape))
+            free[i] -= n
+    return out
+
+
+def _read_items(stash, wstash, packing, slot, wslot) -> dict:
+    """W's inputs of one (microbatch, chunk): from its stash slot where `_pack` put them, the rest
+    from its wstash slot."""
+    out = {key: buf[wslot] for key, buf in wstash.items()}
+    for key, (i, off, shape) in packing.items():
+        out[key] = jax.lax.dynamic_slice(stash[i], (slot, off), (1, int(np.prod(shape)))).reshape(shape)
+    return out
+
+
+def _write_items(stash, wstash, packing, new, valid, slot, wslot, after):
+    """I's outputs for W written into its stash slot (where `_pack` put them) and its wstash slot."""
+    wstash = {key: buf.at[wslot].set(jnp.where(valid, after(new[key]), buf[wslot])) for key, buf in wstash.items()}
+    stash = list(stash)
+    for key, (i, off, _) in packing.items():
+        upd = after(new[key]).reshape(1, -1)
+        old = jax.lax.dynamic_slice(stash[i], (slot, off), upd.shape)
+        stash[i] = jax.lax.dynamic_update_slice(stash[i], jnp.where(valid, upd, old), (slot, off))
+    return tuple(stash), wstash
 
 
 def _param_leaves(*trees) -> list:

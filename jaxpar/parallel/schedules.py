@@ -16,7 +16,9 @@ c % p (Megatron's interleaved placement).
 
 Buffers and slots (`Schedule.to_arrays`, `Schedule.slot_counts`): each stage has four slot spaces,
 each shared by all its chunks: the stash (what F saves for the backward; written by F, read and
-freed by B or I), the wstash (what I saves for W; written by I, read and freed by W), the forward
+freed by B; with a split backward read by I, which writes what W needs over what it has consumed,
+and freed by W), the wstash (what of I's outputs for W did not fit in the stash slot; written by
+I, read and freed by W), the forward
 buffer (received activations; written at the end of the sender's tick, read and freed by the F
 that consumes it) and the backward buffer (received gradients, likewise, read by B or I). Within a
 tick all reads come before all writes, and received messages are written last, so a slot freed at
@@ -114,9 +116,11 @@ class Schedule:
           tick t, its microbatch and its LOCAL chunk (global chunk // stages).
         - `f_in`: the forward-buffer slot F reads (not for chunk 0, which embeds tokens);
           `f_stash`: the stash slot F writes.
-        - `b_stash`, `i_stash`: the stash slot B / I reads (and frees); `b_in`, `i_in`: the
-          backward-buffer slot B / I reads (not for the last chunk, which starts from the loss).
-        - `i_wstash`: the wstash slot I writes; `w_wstash`: the wstash slot W reads.
+        - `b_stash`, `i_stash`: the stash slot B / I reads (B frees it; I writes W's inputs into
+          it); `b_in`, `i_in`: the backward-buffer slot B / I reads (not for the last chunk,
+          which starts from the loss).
+        - `i_wstash`: the wstash slot I writes; `w_wstash`: the wstash slot W reads;
+          `w_stash`: the stash slot W reads (and frees).
         - `f_recv`, `b_recv`: the forward / backward-buffer slot of stage s into which the message
           arriving at the end of tick t is written; -1 where nothing arrives. (F of the last chunk
           and B / I of chunk 0 send nothing.)
@@ -140,10 +144,11 @@ class Schedule:
         return [int(x) for x in np.cumsum(delta, axis=0).max(axis=0, initial=0)]
 
     def peak_stash(self) -> list[int]:
-        """Per stage: the most (microbatch, chunk) whose F has run and whose B or I has not, over
-        ticks (an F counts from the end of its tick, a B or I releases at the end of its tick): what
-        the stash holds."""
-        return self._peak("F", "BI")
+        """Per stage: the most (microbatch, chunk) whose F has run and whose B or W has not, over
+        ticks (an F counts from the end of its tick, a B or W releases at the end of its tick): what
+        the stash holds. (A split backward keeps the slot from I to W: I writes W's inputs over
+        the residuals it consumed.)"""
+        return self._peak("F", "BW")
 
     def peak_wstash(self) -> list[int]:
         """Per stage: the most (microbatch, chunk) whose I has run and whose W has not: what the
@@ -189,9 +194,11 @@ def _messages(schedule: Schedule):
 
 SPACES = ("stash", "wstash", "fwd", "bwd")
 ARRAY_KEYS = (*(f"{k}_{f}" for k in "fbiw" for f in ("valid", "mb", "chunk")),
-              "f_in", "f_stash", "b_stash", "b_in", "i_stash", "i_in", "i_wstash", "w_wstash", "f_recv", "b_recv")
+              "f_in", "f_stash", "b_stash", "b_in", "i_stash", "i_in", "i_wstash", "w_wstash", "w_stash", "f_recv",
+              "b_recv")
 _SLOT_SPACE = {"f_in": "fwd", "f_stash": "stash", "b_stash": "stash", "b_in": "bwd", "i_stash": "stash",
-               "i_in": "bwd", "i_wstash": "wstash", "w_wstash": "wstash", "f_recv": "fwd", "b_recv": "bwd"}
+               "i_in": "bwd", "i_wstash": "wstash", "w_wstash": "wstash", "w_stash": "stash", "f_recv": "fwd",
+               "b_recv": "bwd"}
 
 
 def _free_list(intervals: Sequence[tuple[int, int, tuple]]) -> tuple[dict[tuple, int], int]:
@@ -229,7 +236,9 @@ def _assign_slots(sc: Schedule) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     never = T + 1  # a broken table's value nobody reads (validate reports it before looking at slots)
     intervals: dict[str, list[list]] = {space: [[] for _ in range(p)] for space in SPACES}
     for (mb, c), t in f.items():
-        intervals["stash"][c % p].append((t, back.get((mb, c), ("", never))[1], (mb, c)))
+        # Freed by B, or by the W of a split backward (I writes W's inputs into the slot).
+        kind, t_back = back.get((mb, c), ("", never))
+        intervals["stash"][c % p].append((t, w.get((mb, c), never) if kind == "i" else t_back, (mb, c)))
         if c > 0 and (mb, c - 1) in f:
             intervals["fwd"][c % p].append((f[(mb, c - 1)], t, (mb, c)))
     for (mb, c), t in when["I"].items():
@@ -248,6 +257,8 @@ def _assign_slots(sc: Schedule) -> tuple[dict[str, np.ndarray], dict[str, int]]:
                     if (mb, c) in back:
                         k, t = back[(mb, c)]
                         out[f"{k}_stash"][t, s] = slot
+                        if k == "i" and (mb, c) in w:
+                            out["w_stash"][w[(mb, c)], s] = slot
                 elif space == "wstash":
                     out["i_wstash"][when["I"][(mb, c)], s] = slot
                     if (mb, c) in w:
@@ -306,9 +317,9 @@ def check_slots(schedule: Schedule, arrays: dict[str, np.ndarray] | None = None,
                                         f"{Action(kind, *acts[0]) if acts else 'none'}: the arrays must be the table's.")
     held = {space: [{} for _ in range(p)] for space in SPACES}
 
-    def read(space, s, key, t, tag, a):
+    def read(space, s, key, t, tag, a, free=True):
         slot = int(arr[key][t, s])
-        got = held[space][s].pop(slot, None)
+        got = held[space][s].pop(slot, None) if free else held[space][s].get(slot)
         if got != tag:
             raise ScheduleError(f"{a} at tick {t} on stage {s} reads {space} slot {slot} ({key}), which holds "
                                 f"{_what(got)}, not {_what(tag)}: a read must find what its action needs.")
@@ -326,12 +337,13 @@ def check_slots(schedule: Schedule, arrays: dict[str, np.ndarray] | None = None,
                 mb, c, k = a.microbatch, a.chunk, a.kind.lower()
                 if a.kind == "F" and c > 0:
                     read("fwd", s, "f_in", t, ("act", mb, c), a)
-                elif a.kind in "BI":
-                    read("stash", s, f"{k}_stash", t, ("stash", mb, c), a)
+                elif a.kind in "BI":  # (I keeps the slot for its W)
+                    read("stash", s, f"{k}_stash", t, ("stash", mb, c), a, free=a.kind == "B")
                     if c < nc - 1:
                         read("bwd", s, f"{k}_in", t, ("grad", mb, c), a)
                 elif a.kind == "W":
                     read("wstash", s, "w_wstash", t, ("wstash", mb, c), a)
+                    read("stash", s, "w_stash", t, ("stash", mb, c), a)
         for s, cell in enumerate(row):  # then the actions' writes
             for a in cell:
                 if a.kind == "F":
@@ -445,8 +457,8 @@ def _one_f_one_b_order(p: int, m: int, s: int, defer: int) -> list[Action]:
 def one_f_one_b(p: int, m: int) -> Schedule:
     """1F1B with Megatron's memory, one action per stage per tick and the backward split: stage s
     runs min(p-s-1, m) warm-up forwards, then F, I, W of one microbatch after another (W right
-    after its I), then drains its I and W. Stage s stashes min(m, p-s) microbatches and its wstash
-    one; with equal F, I, W costs (B = I + W = 2F) it takes 3m + 2(p-1) ticks of one F each, below
+    after its I), then drains its I and W. Stage s stashes min(m, p-s) microbatches (a slot lives to its W,
+    which follows its I); with equal F, I, W costs (B = I + W = 2F) it takes 3m + 2(p-1) ticks of one F each, below
     the lock-step table's (m+p-1)(F+B) = 3(m+p-1), because I sends its gradient before W runs.
     Megatron's fused-B 1F1B under lock-step is `1f1b_one_action` (every tick pays max(F, B)); the
     table that this name meant before, one F and one B per tick and 2(p-s)-1 stashed, is
@@ -459,14 +471,15 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 def zb_h1(p: int, m: int) -> Schedule:
     """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): the 1F1B order of `1f1b`
-    (same warm-up, so the same stash, min(m, p-s) on stage s), with stage s deferring each W by s
-    microbatches — W(j) right after I(j+s) — so that the last s Ws fill the drain's bubble. With
-    equal F, I, W costs and m >= p it takes 3m + p - 1 ticks: a bubble of p-1, a third of 1F1B's
-    3(p-1). Stage s's wstash holds min(m, s+1) weight-gradient inputs."""
+    (same warm-up), with stage s deferring each W by s microbatches — W(j) right after I(j+s) —
+    so that the last s Ws fill the drain's bubble. With equal F, I, W costs and m >= p it takes
+    3m + p - 1 ticks: a bubble of p-1, a third of 1F1B's 3(p-1). A stash slot lives from F to W,
+    so stage s holds min(m, p) (stage 0's 1F1B peak, which sizes every stage's buffers in one SPMD
+    program: the paper's "same memory as 1F1B"); what W needs is written by I into the slot."""
     _check_sizes("zb_h1", p, m, 1)
     programs = [_one_f_one_b_order(p, m, s, defer=s) for s in range(p)]
     return dataclasses.replace(_list_schedule("zb_h1", p, m, 1, programs, one_action=True),
-                               declared_stash=tuple(min(m, p - s) for s in range(p)))
+                               declared_stash=(min(m, p),) * p)
 
 
 def one_f_one_b_lockstep(p: int, m: int) -> Schedule:
