@@ -234,6 +234,12 @@ class RuntimeConfig:
     """Number of processes of a multi-process run (with coordinator and process_id)."""
     process_id: int | None = None
     """This process's index in 0 .. num_processes - 1 (with coordinator and num_processes)."""
+    xla_flags: str = "auto"
+    """XLA flags jaxpar adds to XLA_FLAGS before JAX starts: `auto` (on a GPU backend, a preset
+    for the installed jaxlib: latency-hiding scheduler, collective combining, while-loop double
+    buffering, collective pipelining; nothing on CPU), `none`, or flags like
+    `--xla_gpu_enable_latency_hiding_scheduler=true`. Each is checked against the flags the
+    installed jaxlib registers; flags already in XLA_FLAGS win (`jaxpar.xla_flags`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,6 +521,9 @@ def validate(cfg: Config) -> None:
     rt = cfg.runtime
     _require(rt.cpu_devices is None or rt.cpu_devices >= 1,
              f"runtime.cpu_devices = {rt.cpu_devices} must be at least 1; set a device count, or null.")
+    from jaxpar.xla_flags import syntax_error  # stdlib only; imported here, as it imports this module
+
+    _require(syntax_error(rt.xla_flags) is None, syntax_error(rt.xla_flags) or "")
     given = {k: getattr(rt, k) for k in ("coordinator", "num_processes", "process_id")}
     _require(all(v is None for v in given.values()) or all(v is not None for v in given.values()),
              "runtime.coordinator, runtime.num_processes and runtime.process_id go together, but only "

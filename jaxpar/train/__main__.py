@@ -73,7 +73,9 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         from jaxpar.mesh import make_mesh, start_processes, use_cpu_devices
+        from jaxpar.xla_flags import apply as apply_xla_flags
 
+        xla = apply_xla_flags(cfg)  # XLA reads XLA_FLAGS once, when the first backend starts
         start_processes(cfg)  # a multi-process run joins before anything starts a JAX backend
         use_cpu_devices(cfg.runtime.cpu_devices, cfg)
         import jax
@@ -88,6 +90,7 @@ def main(argv=None) -> int:
         is_main = jax.process_index() == 0
         if is_main:
             console.print(summary(cfg, mesh), highlight=False, soft_wrap=True)
+            console.print(f"xla     {xla.describe()}", highlight=False, soft_wrap=True)
         logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries (orbax) stay quiet
         logging.getLogger("jaxpar").setLevel(logging.INFO if is_main else logging.WARNING)
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}")]

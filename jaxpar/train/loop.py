@@ -35,6 +35,7 @@ from jaxpar.mesh import start_processes, use_cpu_devices
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.data import batch_at, eval_batches, make_eval_source, make_source
 from jaxpar.train.step import build
+from jaxpar.xla_flags import apply as apply_xla_flags
 
 log = logging.getLogger("jaxpar")
 
@@ -140,6 +141,9 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
     `step_time_s` and `tokens_per_s`; with evaluation, `val_loss` and `val_ppl` at eval steps.
     `callback` is called with each record as it is logged (the CLI's progress bar).
     """
+    xla = apply_xla_flags(cfg)  # before anything can start a backend
+    if xla.added:
+        log.info("xla flags: %s", xla.describe())
     start_processes(cfg)
     use_cpu_devices(cfg.runtime.cpu_devices, cfg)
     tr = cfg.train
