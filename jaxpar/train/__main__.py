@@ -80,6 +80,7 @@ def main(argv=None) -> int:
         use_cpu_devices(cfg.runtime.cpu_devices, cfg)
         import jax
 
+        from jaxpar.train import efficiency
         from jaxpar.train.data import make_source
         from jaxpar.train.loop import TrainingStopped, check_run_dir, train
 
@@ -96,15 +97,15 @@ def main(argv=None) -> int:
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}")]
         if cfg.train.eval_every > 0:
             columns.append(TextColumn("val {task.fields[val]}"))
-        progress = Progress(*columns, TextColumn("{task.fields[tps]} tok/s"), TimeRemainingColumn(),
-                            console=console, disable=not is_main)
+        progress = Progress(*columns, TextColumn("{task.fields[tps]} tok/s"), TextColumn("{task.fields[eff]}"),
+                            TimeRemainingColumn(), console=console, disable=not is_main)
         with progress:
-            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-", val="-")
+            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-", val="-", eff="")
 
             def show(rec: dict) -> None:
                 val = {"val": f"{rec['val_loss']:.4f} (ppl {rec['val_ppl']:.2f})"} if "val_loss" in rec else {}
                 progress.update(task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
-                                tps=f"{rec['tokens_per_s']:,.0f}", **val)
+                                tps=f"{rec['tokens_per_s']:,.0f}", eff=efficiency.describe(rec), **val)
 
             try:
                 records = train(cfg, mesh=mesh, callback=show)
