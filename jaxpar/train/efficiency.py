@@ -70,5 +70,5 @@ def describe(rec: dict) -> str:
     text = f"{rec['model_tflops_per_device']:.3g} TFLOP/s/dev, " + (
         f"MFU {rec['mfu']:.1%}" if "mfu" in rec else "MFU n/a")
     if rec["device_wait_s"] < HOST_BOUND * rec["step_time_s"]:
-        text += f", host-bound (data {rec['data_time_s'] / rec['step_time_s']:.0%} of the step)"
+        text += f", host-bound (data {rec['data_time_s'] / rec['step_time_s']:.0%})"
     return text

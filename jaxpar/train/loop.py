@@ -14,9 +14,11 @@ Faults:
 - Resuming (`train.resume: auto`) takes the newest checkpoint in run_dir; a damaged one is moved
   aside with a warning and the previous one is used (`jaxpar.train.checkpoint`).
 
-Efficiency: each record carries model TFLOP/s per device and MFU (`train.efficiency`), and the
-step time's split: `data_time_s`, the host building batches, and `device_wait_s`, the host blocked
-on the devices' results (near 0: the host set the pace). `train.profile_start` traces steps with
+Efficiency: each record carries model TFLOP/s per device and MFU (`train.efficiency`), and where
+the host spent the step time: `data_time_s` building batches, `dispatch_time_s` in the step call
+(enqueueing it; on XLA:CPU part of the run), `device_wait_s` blocked on the devices' results (near
+0: the devices were done before the host asked, so the host set the pace). The device time itself
+is not measured outside a profile. `train.profile_start` traces steps with
 jax.profiler into run_dir/profile; `train.tensorboard` mirrors the records as TensorBoard scalars.
 """
 
@@ -155,7 +157,8 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
     Each record has `step` (optimizer steps done), `loss` (on that step's batch, before its
     update), `grad_norm` (before clipping), `lr`, `skipped_steps` (non-finite steps so far),
     `step_time_s`, `tokens_per_s`, `model_tflops_per_device`, `mfu` (with a known peak),
-    `data_time_s` and `device_wait_s` (per step, over the steps since the last record); with
+    `data_time_s`, `dispatch_time_s` and `device_wait_s` (per step, over the steps since the last
+    record; the rest of step_time_s is other host work: records, checkpoints); with
     evaluation, `val_loss` and `val_ppl` at eval steps. `callback` is called with each record as
     it is logged (the CLI's progress bar).
     """
@@ -228,7 +231,8 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
     efficiency = Efficiency.of(cfg, program.mesh.devices.size, program.mesh.devices.flat[0].device_kind)
     first = int(jax.device_get(state.step))
     last = {"time": time.perf_counter(), "step": first}
-    spent = {"data": 0.0, "wait": 0.0}  # host seconds since the last record: building batches, blocked on devices
+    # Host seconds since the last record: building batches, dispatching steps, blocked on the devices.
+    spent = {"data": 0.0, "dispatch": 0.0, "wait": 0.0}
 
     def wait(x):
         """`x` on the host; the time blocked counts as waiting for the devices."""
@@ -246,8 +250,8 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
         last.update(time=now, step=step)
         rec = {"step": step, **values, **extra, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                **efficiency.metrics(step_time), "data_time_s": spent["data"] / steps,
-               "device_wait_s": spent["wait"] / steps}
-        spent.update(data=0.0, wait=0.0)
+               "dispatch_time_s": spent["dispatch"] / steps, "device_wait_s": spent["wait"] / steps}
+        spent.update(data=0.0, dispatch=0.0, wait=0.0)
         history.append(rec)
         if metrics_file is not None:
             metrics_file.write(json.dumps(rec) + "\n")
@@ -284,8 +288,10 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
                     tracing = True
                 t0 = time.perf_counter()
                 batch = batch_at(source, k, tr.global_batch, program.batch_sharding)
-                spent["data"] += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                spent["data"] += t1 - t0
                 state, metrics = step_fn(state, batch)
+                spent["dispatch"] += time.perf_counter() - t1
                 if tracing and done == trace[1]:
                     wait(state.step)  # the traced steps' device work ends inside the trace
                     jax.profiler.stop_trace()
