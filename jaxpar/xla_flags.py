@@ -176,6 +176,11 @@ def resolve(setting: str, backend: str, version: tuple[int, ...], known: frozens
         note = "" if backend == "gpu" else f"the backend is {backend}, and the preset is for GPUs"
     else:
         wanted, missing, note = parse(setting), [], ""
+        if not known:
+            raise ConfigError(
+                f"runtime.xla_flags = {setting!r} cannot be checked: no library of the installed jaxlib {jaxlib} "
+                "could be read for the flags it registers; put the flags in XLA_FLAGS yourself and set "
+                "runtime.xla_flags=none.")
         for name, _ in wanted:
             if name not in known:
                 close = difflib.get_close_matches(name, sorted(known), n=1)

@@ -84,6 +84,8 @@ def test_flags_string_is_checked_against_the_known_flags():
     assert "--xla_gpu_enable_latency_hiding_schedular" in message and "0.10.2 does not register" in message
     assert "did you mean --xla_gpu_enable_latency_hiding_scheduler?" in message, message
     assert resolve("none", "gpu", (0, 10, 2), known, "").added == ()
+    with pytest.raises(ConfigError, match="cannot be checked: no library of the installed jaxlib"):
+        resolve("--xla_dump_to=/tmp/d", "cpu", (0, 10, 2), frozenset(), "")  # the scan found no XLA library
 
 
 def test_registered_flags_are_nul_delimited_literals_not_proto_fields(tmp_path):
