@@ -212,6 +212,15 @@ class TrainConfig:
     """Compute the validation loss every this many steps and at the last step; 0 disables it."""
     eval_batches: int = 4
     """Batches of train.global_batch sequences per validation (the same ones every time)."""
+    profile_start: int | None = None
+    """Trace steps profile_start .. profile_start + profile_steps - 1 (step numbers as in the
+    metrics, from 1) with jax.profiler into run_dir/profile (TensorBoard's profile plugin or
+    Perfetto read it); null traces nothing."""
+    profile_steps: int = 3
+    """Number of steps the profile traces (with train.profile_start)."""
+    tensorboard: bool = False
+    """Also write every logged metric (validation loss included) as TensorBoard scalars under
+    run_dir/tensorboard, their tags the metrics.jsonl keys (needs tensorboardX: `jaxpar[tensorboard]`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +243,15 @@ class RuntimeConfig:
     """Number of processes of a multi-process run (with coordinator and process_id)."""
     process_id: int | None = None
     """This process's index in 0 .. num_processes - 1 (with coordinator and num_processes)."""
+    xla_flags: str = "auto"
+    """XLA flags jaxpar adds to XLA_FLAGS before JAX starts: `auto` (on a GPU backend, a preset
+    for the installed jaxlib: latency-hiding scheduler, collective combining, while-loop double
+    buffering, collective pipelining; nothing on CPU), `none`, or flags like
+    `--xla_gpu_enable_latency_hiding_scheduler=true`. Each is checked against the flags the
+    installed jaxlib registers; flags already in XLA_FLAGS win (`jaxpar.xla_flags`)."""
+    peak_tflops: float | None = None
+    """Dense peak TFLOP/s of one device, the MFU's denominator; null takes it from the table of
+    known GPUs (A100, H100 SXM, H200: bf16, or TF32 for float32 compute), else shows no MFU."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -512,9 +530,20 @@ def validate(cfg: Config) -> None:
                                        "set it to the number of checkpoints to keep.")
     _require(tr.eval_every >= 0, f"train.eval_every = {tr.eval_every} must not be negative; set it to 0 to disable evaluation.")
     _require(tr.eval_batches >= 1, f"train.eval_batches = {tr.eval_batches} must be at least 1; set it to 1 or more.")
+    _require(tr.profile_start is None or 1 <= tr.profile_start <= tr.steps,
+             f"train.profile_start = {tr.profile_start} must be a step number in 1 .. train.steps = {tr.steps}; "
+             "set the first step to trace, or null to trace none.")
+    _require(tr.profile_steps >= 1, f"train.profile_steps = {tr.profile_steps} must be at least 1; set the "
+                                    "number of steps to trace, e.g. 3.")
     rt = cfg.runtime
     _require(rt.cpu_devices is None or rt.cpu_devices >= 1,
              f"runtime.cpu_devices = {rt.cpu_devices} must be at least 1; set a device count, or null.")
+    _require(rt.peak_tflops is None or rt.peak_tflops > 0,
+             f"runtime.peak_tflops = {rt.peak_tflops or 0:g} must be positive; set one device's dense peak TFLOP/s "
+             "(e.g. 989 for an H100 SXM in bf16), or null to look it up.")
+    from jaxpar.xla_flags import syntax_error  # stdlib only; imported here, as it imports this module
+
+    _require(syntax_error(rt.xla_flags) is None, syntax_error(rt.xla_flags) or "")
     given = {k: getattr(rt, k) for k in ("coordinator", "num_processes", "process_id")}
     _require(all(v is None for v in given.values()) or all(v is not None for v in given.values()),
              "runtime.coordinator, runtime.num_processes and runtime.process_id go together, but only "

@@ -73,11 +73,14 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         from jaxpar.mesh import make_mesh, start_processes, use_cpu_devices
+        from jaxpar.xla_flags import apply as apply_xla_flags
 
+        xla = apply_xla_flags(cfg)  # XLA reads XLA_FLAGS once, when the first backend starts
         start_processes(cfg)  # a multi-process run joins before anything starts a JAX backend
         use_cpu_devices(cfg.runtime.cpu_devices, cfg)
         import jax
 
+        from jaxpar.train import efficiency
         from jaxpar.train.data import make_source
         from jaxpar.train.loop import TrainingStopped, check_run_dir, train
 
@@ -88,20 +91,21 @@ def main(argv=None) -> int:
         is_main = jax.process_index() == 0
         if is_main:
             console.print(summary(cfg, mesh), highlight=False, soft_wrap=True)
+            console.print(f"xla     {xla.describe()}", highlight=False, soft_wrap=True)
         logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries (orbax) stay quiet
         logging.getLogger("jaxpar").setLevel(logging.INFO if is_main else logging.WARNING)
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}")]
         if cfg.train.eval_every > 0:
             columns.append(TextColumn("val {task.fields[val]}"))
-        progress = Progress(*columns, TextColumn("{task.fields[tps]} tok/s"), TimeRemainingColumn(),
-                            console=console, disable=not is_main)
+        progress = Progress(*columns, TextColumn("{task.fields[tps]} tok/s"), TextColumn("{task.fields[eff]}"),
+                            TimeRemainingColumn(), console=console, disable=not is_main)
         with progress:
-            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-", val="-")
+            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-", val="-", eff="")
 
             def show(rec: dict) -> None:
                 val = {"val": f"{rec['val_loss']:.4f} (ppl {rec['val_ppl']:.2f})"} if "val_loss" in rec else {}
                 progress.update(task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
-                                tps=f"{rec['tokens_per_s']:,.0f}", **val)
+                                tps=f"{rec['tokens_per_s']:,.0f}", eff=efficiency.describe(rec), **val)
 
             try:
                 records = train(cfg, mesh=mesh, callback=show)

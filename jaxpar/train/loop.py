@@ -13,6 +13,13 @@ Faults:
   step and raises `TrainingStopped`.
 - Resuming (`train.resume: auto`) takes the newest checkpoint in run_dir; a damaged one is moved
   aside with a warning and the previous one is used (`jaxpar.train.checkpoint`).
+
+Efficiency: each record carries model TFLOP/s per device and MFU (`train.efficiency`), and where
+the host spent the step time: `data_time_s` building batches, `dispatch_time_s` in the step call
+(enqueueing it; on XLA:CPU part of the run), `device_wait_s` blocked on the devices' results (near
+0: the devices were done before the host asked, so the host set the pace). The device time itself
+is not measured outside a profile. `train.profile_start` traces steps with
+jax.profiler into run_dir/profile; `train.tensorboard` mirrors the records as TensorBoard scalars.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from jaxpar.config import Config, ConfigError, to_yaml
 from jaxpar.mesh import start_processes, use_cpu_devices
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.data import batch_at, eval_batches, make_eval_source, make_source
+from jaxpar.train.efficiency import Efficiency
 from jaxpar.train.step import build
+from jaxpar.xla_flags import apply as apply_xla_flags
 
 log = logging.getLogger("jaxpar")
 
@@ -119,6 +128,16 @@ def _rewrite_metrics(path: str, upto: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _tensorboard_writer():
+    """tensorboardX's SummaryWriter class, or a ConfigError when it is not installed."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise ConfigError("train.tensorboard = true needs the tensorboardX package, which is not installed; "
+                          "pip install 'jaxpar[tensorboard]', or set train.tensorboard=false.") from None
+    return SummaryWriter
+
+
 def _init_state(cfg: Config, program):
     """Fresh parameters (from train.seed, or model.init_from's Hugging Face weights)."""
     state = program.init(jax.random.key(cfg.train.seed))
@@ -137,14 +156,21 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
 
     Each record has `step` (optimizer steps done), `loss` (on that step's batch, before its
     update), `grad_norm` (before clipping), `lr`, `skipped_steps` (non-finite steps so far),
-    `step_time_s` and `tokens_per_s`; with evaluation, `val_loss` and `val_ppl` at eval steps.
-    `callback` is called with each record as it is logged (the CLI's progress bar).
+    `step_time_s`, `tokens_per_s`, `model_tflops_per_device`, `mfu` (with a known peak),
+    `data_time_s`, `dispatch_time_s` and `device_wait_s` (per step, over the steps since the last
+    record; the rest of step_time_s is other host work: records, checkpoints); with
+    evaluation, `val_loss` and `val_ppl` at eval steps. `callback` is called with each record as
+    it is logged (the CLI's progress bar).
     """
+    xla = apply_xla_flags(cfg)  # before anything can start a backend
+    if xla.added:
+        log.info("xla flags: %s", xla.describe())
     start_processes(cfg)
     use_cpu_devices(cfg.runtime.cpu_devices, cfg)
     tr = cfg.train
     # Everything a user can get wrong is checked here, before anything is written or compiled.
     check_run_dir(cfg)
+    SummaryWriter = _tensorboard_writer() if tr.tensorboard else None
     source = make_source(cfg)
     eval_source = make_eval_source(cfg) if tr.eval_every > 0 else None
     ckpt = Checkpoints(cfg)
@@ -168,6 +194,7 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
         metrics_file = open(metrics_path, "a" if resume_step is not None else "w")
 
     history = History()
+    events = None
     t = time.perf_counter()
     if resume_step is not None:
         state, history.resumed_from = ckpt.restore(program, resume_step)
@@ -181,6 +208,9 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
             state = state._replace(skipped=state.skipped * 0)
     else:
         state = _init_state(cfg, program)
+    if writer and SummaryWriter is not None:  # a resumed run purges the events after its checkpoint
+        events = SummaryWriter(os.path.join(tr.run_dir, "tensorboard"), purge_step=(
+            None if history.resumed_from is None else history.resumed_from + 1))
     step_fn = program.step.lower(state, program.abstract_batch()).compile()
     if eval_source is None:
         evaluate = None
@@ -198,20 +228,39 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
     log.info("initialised and compiled in %.1f s", time.perf_counter() - t)
 
     tokens_per_step = tr.global_batch * cfg.model.seq_len
+    efficiency = Efficiency.of(cfg, program.mesh.devices.size, program.mesh.devices.flat[0].device_kind)
     first = int(jax.device_get(state.step))
     last = {"time": time.perf_counter(), "step": first}
+    # Host seconds since the last record: building batches, dispatching steps, blocked on the devices.
+    spent = {"data": 0.0, "dispatch": 0.0, "wait": 0.0}
+
+    def wait(x):
+        """`x` on the host; the time blocked counts as waiting for the devices."""
+        t0 = time.perf_counter()
+        out = jax.device_get(jax.block_until_ready(x))
+        spent["wait"] += time.perf_counter() - t0
+        return out
 
     def record(step: int, metrics: dict, extra: dict) -> None:
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for step `step`
+        values = {k: float(v) for k, v in wait(metrics).items()}  # waits for step `step`
         values["skipped_steps"] = int(values["skipped_steps"])
         now = time.perf_counter()
-        step_time = (now - last["time"]) / max(step - last["step"], 1)
+        steps = max(step - last["step"], 1)
+        step_time = (now - last["time"]) / steps
         last.update(time=now, step=step)
-        rec = {"step": step, **values, **extra, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
+        rec = {"step": step, **values, **extra, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+               **efficiency.metrics(step_time), "data_time_s": spent["data"] / steps,
+               "dispatch_time_s": spent["dispatch"] / steps, "device_wait_s": spent["wait"] / steps}
+        spent.update(data=0.0, dispatch=0.0, wait=0.0)
         history.append(rec)
         if metrics_file is not None:
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
+        if events is not None:
+            for key, value in rec.items():
+                if key != "step":
+                    events.add_scalar(key, value, step)
+            events.flush()
         if callback is not None:
             callback(rec)
 
@@ -226,15 +275,31 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
             "(train.resume=auto), or set train.on_nan=skip to drop such steps.", history.checkpoint)
 
     pending = None  # (step, metrics, logged?) of the step dispatched before
+    # Steps profile_start .. profile_start + profile_steps - 1 (numbered from 1) run under a trace.
+    trace = (None if tr.profile_start is None else
+             (tr.profile_start, min(tr.profile_start + tr.profile_steps - 1, tr.steps)))
+    tracing = False
     try:
         with _StopSignals() as signals:
             for k in range(first, tr.steps):
-                batch = batch_at(source, k, tr.global_batch, program.batch_sharding)
-                state, metrics = step_fn(state, batch)
                 done = k + 1
+                if trace is not None and done == trace[0]:
+                    jax.profiler.start_trace(os.path.join(tr.run_dir, "profile"))
+                    tracing = True
+                t0 = time.perf_counter()
+                batch = batch_at(source, k, tr.global_batch, program.batch_sharding)
+                t1 = time.perf_counter()
+                spent["data"] += t1 - t0
+                state, metrics = step_fn(state, batch)
+                spent["dispatch"] += time.perf_counter() - t1
+                if tracing and done == trace[1]:
+                    wait(state.step)  # the traced steps' device work ends inside the trace
+                    jax.profiler.stop_trace()
+                    tracing = False
+                    log.info("profiled steps %d-%d into %s", trace[0], trace[1], os.path.join(tr.run_dir, "profile"))
                 if pending is not None:
                     p_step, p_metrics, p_log = pending
-                    if tr.on_nan == "stop" and int(jax.device_get(p_metrics["skipped_steps"])) > 0:
+                    if tr.on_nan == "stop" and int(wait(p_metrics["skipped_steps"])) > 0:
                         nan_stop(p_step)
                     if p_log:
                         record(p_step, p_metrics, {})
@@ -244,7 +309,7 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
                 if evaluate is not None and (done % tr.eval_every == 0 or is_last):
                     extra = evaluate(state.params)
                 if extra:  # record this step now, with its evaluation
-                    if tr.on_nan == "stop" and int(jax.device_get(metrics["skipped_steps"])) > 0:
+                    if tr.on_nan == "stop" and int(wait(metrics["skipped_steps"])) > 0:
                         nan_stop(done)
                     record(done, metrics, extra)
                     pending = None
@@ -258,7 +323,7 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
                     break
             if pending is not None:
                 p_step, p_metrics, _ = pending
-                if tr.on_nan == "stop" and int(jax.device_get(p_metrics["skipped_steps"])) > 0:
+                if tr.on_nan == "stop" and int(wait(p_metrics["skipped_steps"])) > 0:
                     nan_stop(p_step)
                 record(p_step, p_metrics, {})
             if history.stopped is not None:
@@ -267,6 +332,10 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
                             int(jax.device_get(state.step)), history.checkpoint)
         ckpt.close()
     finally:
+        if tracing:
+            jax.profiler.stop_trace()
         if metrics_file is not None:
             metrics_file.close()
+        if events is not None:
+            events.close()
     return history
