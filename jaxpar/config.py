@@ -149,8 +149,11 @@ class ParallelConfig:
     stage_layers: tuple[int, ...] | None = None
     """Layers per pipeline stage, e.g. [3, 5] (they sum to n_layers; one chunk per stage); null
     splits evenly. Lighter end stages balance the embedding and the loss."""
-    remat: Literal["none", "full", "dots"] = "none"
-    """Rematerialization of each block: none, full (recompute everything), dots (save matmul outputs)."""
+    remat: Literal["none", "full", "dots", "dots_except_mlp", "offload"] = "none"
+    """Rematerialization of each block: none, full (recompute everything), dots (save matmul
+    outputs), dots_except_mlp (save the attention projections q, k, v, o; recompute the MLP and
+    the attention core), offload (the matmul outputs `dots` saves, kept in host memory: needs a
+    backend with `pinned_host` memory)."""
     zero3_gather: Literal["microbatch", "step"] = "microbatch"
     """Where ZeRO-3 all-gathers parameters when a step runs several microbatches (accumulation or a
     pipeline): microbatch (per layer, in every forward and backward pass: least memory, most traffic)
@@ -591,6 +594,12 @@ def check_stage_axis(cfg: Config, p: int) -> None:
         return
     m, par = cfg.model, cfg.parallel
     chunks = p * par.virtual_stages
+    # F's saved values go into the pipeline's device stash, written in a branch of the tick that
+    # must type-check against idle ticks' device zeros: host-resident ones cannot.
+    _require(par.remat != "offload",
+             f"parallel.remat = offload cannot run with mesh.stage = {p}: the pipeline stashes what each "
+             "forward saves in device buffers, and offload keeps it in host memory; set parallel.remat=dots "
+             "(or dots_except_mlp), or mesh.stage=1.")
     if par.stage_layers is not None:
         counts = par.stage_layers
         _require(len(counts) == p and par.virtual_stages == 1,

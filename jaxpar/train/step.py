@@ -120,6 +120,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     if cfg.model.attention == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attention = cudnn needs an NVIDIA GPU, but the mesh's devices are {platform}; "
                           "set model.attention=auto (cuDNN where it can run, XLA elsewhere) or xla.")
+    check_host_memory(cfg, mesh.devices.flat[0])
     names, shapes = model.param_names(cfg.model), model.param_shapes(cfg.model)
     layout = make_layout(cfg, mesh, names, shapes)
     optimizer = make_optimizer(cfg.train, names)
@@ -227,6 +228,21 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
                                in_shardings=(param_shardings, batch_sharding),
                                out_shardings=(replicated, grad_shardings)),
     )
+
+
+def check_host_memory(cfg: Config, device) -> None:
+    """Remat `offload` keeps saved activations in `pinned_host` memory: refused (before compiling)
+    on a backend whose devices have none. (XLA:CPU lists one; its program keeps them in place.)"""
+    if cfg.parallel.remat != "offload":
+        return
+    try:
+        kinds = sorted({m.kind for m in device.addressable_memories()})
+    except (AttributeError, NotImplementedError, RuntimeError):  # a backend without memory kinds
+        kinds = []
+    if "pinned_host" not in kinds:
+        raise ConfigError(f"parallel.remat = offload needs pinned_host memory to offload to, but the "
+                          f"{device.platform} backend's devices have {kinds or 'no memory kinds'}; set "
+                          "parallel.remat=dots (the same values kept in device memory) or dots_except_mlp.")
 
 
 def lower_step(cfg: Config, mesh: Mesh | None = None) -> tuple[jax.stages.Compiled, Mesh]:
