@@ -159,6 +159,11 @@ class ParallelConfig:
     pipeline): microbatch (per layer, in every forward and backward pass: least memory, most traffic)
     or step (each layer once per step, kept for the step: the memory of this stage's whole
     parameters, the traffic of one gather)."""
+    offload: Literal["none", "optimizer"] = "none"
+    """Host offload of the optimizer state (ZeRO-Offload): `optimizer` keeps Adam's moments (and,
+    with train.master_weights, the float32 master) in pinned host memory, on the ZeRO layout, and
+    the step copies them to the device for the update and back; `none` keeps them on the device.
+    Needs a backend with `pinned_host` memory."""
     zero2_reduce: Literal["microbatch", "step"] = "microbatch"
     """Where ZeRO-2 reduce-scatters gradients when a step runs several microbatches: microbatch
     (per layer inside every backward pass, shards accumulated: 1/d of the gradient memory, m
@@ -491,7 +496,7 @@ def validate(cfg: Config) -> None:
                                          "negative; set it to 0 to shard every leaf that can be sharded.")
     if par.data_mode == "naive":  # one device updates everything: nothing else may split the state
         for key, value, ok in (("parallel.zero", par.zero, 0), ("mesh.stage", mesh.stage, 1),
-                               ("mesh.model", mesh.model, 1)):
+                               ("mesh.model", mesh.model, 1), ("parallel.offload", par.offload, "none")):
             _require(value == ok, f"{key} = {value} cannot be combined with parallel.data_mode = naive, which "
                                   "keeps the whole optimizer state and update on device 0 (data parallelism "
                                   f"only); set {key}={ok}, or parallel.data_mode=ddp.")

@@ -306,6 +306,8 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
       These working sets are the modelled part (measured on CPU: README, "Planning a run").
     - pipeline_buffers: the stash (chunk inputs) and the receive buffers the schedule table
       declares, v chunks each.
+    - host_optimizer (not in `total`): with `parallel.offload: optimizer` on a GPU, the optimizer
+      state (moments, master), in pinned host memory; `optimizer` is then 0.
     - host_activations (not in `total`): what remat `offload` keeps in pinned host memory, the
       matmul outputs of every layer (one layer's are back on the device, in activations' working
       set, while its backward runs). On XLA:CPU nothing is offloaded: 0, and they count as `dots`.
@@ -324,7 +326,10 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     micro = par.microbatches
     rows = cfg.train.global_batch // (d * micro)
     sp = par.sequence_parallel and t > 1
-    out = {"params": st["params"], "optimizer": st["optimizer"]}
+    # parallel.offload: optimizer keeps the optimizer state in pinned host memory (on a GPU; XLA:CPU
+    # counts it among the device arguments). The update's device copies are not modelled.
+    host_opt = st["optimizer"] if par.offload == "optimizer" and platform != "cpu" else 0
+    out = {"params": st["params"], "optimizer": st["optimizer"] - host_opt}
     zero = par.zero
     flash = uses_flash_attention(cfg, platform)
     # Remat `offload` (refused under a pipeline): the layer scan's saved matmul outputs on the host.
@@ -402,6 +407,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
                gathered_params=int(gathered), batch=rows * micro * (m.seq_len + 1) * 4)
     out["total"] = sum(out.values())
     out["host_activations"] = host  # pinned host memory: not in the device total
+    out["host_optimizer"] = host_opt
     return out
 
 
