@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import jaxpar
-from helpers import assert_parity, run_reference, run_steps
+from helpers import COMPILER_OPTIONS, assert_parity, run_reference, run_steps
 from jaxpar.config import ConfigError
 from jaxpar.inspect import analyze
 from jaxpar.mesh import make_mesh
 from jaxpar.parallel.zero import state_bytes
-from jaxpar.train.step import build, check_host_memory, lower_step
+from jaxpar.train.step import build, check_host_memory
 
 _REF = {}
 
@@ -48,9 +48,9 @@ def test_device_arguments_fall_by_the_moments_bytes(tiny, zero, master):
     mesh = make_mesh(base, jax.devices()[:4])
     got = {}
     for offload in ("none", "optimizer"):
-        cfg = base.replace(parallel={"offload": offload})
-        got[offload] = analyze(lower_step(cfg, mesh)[0], mesh).memory
-    program = build(base, mesh)
+        program = build(base.replace(parallel={"offload": offload}), mesh)
+        compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile(COMPILER_OPTIONS)
+        got[offload] = analyze(compiled, mesh).memory
     shapes = jax.eval_shape(program.init, jax.random.key(0)).params
     # Adam's two moments, and the master: float32, on the moments' layout, per device.
     per_param = 3 if master else 2
