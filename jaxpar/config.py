@@ -149,13 +149,21 @@ class ParallelConfig:
     stage_layers: tuple[int, ...] | None = None
     """Layers per pipeline stage, e.g. [3, 5] (they sum to n_layers; one chunk per stage); null
     splits evenly. Lighter end stages balance the embedding and the loss."""
-    remat: Literal["none", "full", "dots"] = "none"
-    """Rematerialization of each block: none, full (recompute everything), dots (save matmul outputs)."""
+    remat: Literal["none", "full", "dots", "dots_except_mlp", "offload"] = "none"
+    """Rematerialization of each block: none, full (recompute everything), dots (save matmul
+    outputs), dots_except_mlp (save the attention projections q, k, v, o; recompute the MLP and
+    the attention core), offload (the matmul outputs `dots` saves, kept in host memory: needs a
+    backend with `pinned_host` memory)."""
     zero3_gather: Literal["microbatch", "step"] = "microbatch"
     """Where ZeRO-3 all-gathers parameters when a step runs several microbatches (accumulation or a
     pipeline): microbatch (per layer, in every forward and backward pass: least memory, most traffic)
     or step (each layer once per step, kept for the step: the memory of this stage's whole
     parameters, the traffic of one gather)."""
+    offload: Literal["none", "optimizer"] = "none"
+    """Host offload of the optimizer state (ZeRO-Offload): `optimizer` keeps Adam's moments (and,
+    with train.master_weights, the float32 master) in pinned host memory, on the ZeRO layout, and
+    the step copies them to the device for the update and back; `none` keeps them on the device.
+    Needs a backend with `pinned_host` memory."""
     zero2_reduce: Literal["microbatch", "step"] = "microbatch"
     """Where ZeRO-2 reduce-scatters gradients when a step runs several microbatches: microbatch
     (per layer inside every backward pass, shards accumulated: 1/d of the gradient memory, m
@@ -506,7 +514,7 @@ def validate(cfg: Config) -> None:
                                          "negative; set it to 0 to shard every leaf that can be sharded.")
     if par.data_mode == "naive":  # one device updates everything: nothing else may split the state
         for key, value, ok in (("parallel.zero", par.zero, 0), ("mesh.stage", mesh.stage, 1),
-                               ("mesh.model", mesh.model, 1)):
+                               ("mesh.model", mesh.model, 1), ("parallel.offload", par.offload, "none")):
             _require(value == ok, f"{key} = {value} cannot be combined with parallel.data_mode = naive, which "
                                   "keeps the whole optimizer state and update on device 0 (data parallelism "
                                   f"only); set {key}={ok}, or parallel.data_mode=ddp.")
@@ -620,6 +628,12 @@ def check_stage_axis(cfg: Config, p: int) -> None:
         return
     m, par = cfg.model, cfg.parallel
     chunks = p * par.virtual_stages
+    # F's saved values go into the pipeline's device stash, written in a branch of the tick that
+    # must type-check against idle ticks' device zeros: host-resident ones cannot.
+    _require(par.remat != "offload",
+             f"parallel.remat = offload cannot run with mesh.stage = {p}: the pipeline stashes what each "
+             "forward saves in device buffers, and offload keeps it in host memory; set parallel.remat=dots "
+             "(or dots_except_mlp), or mesh.stage=1.")
     if par.stage_layers is not None:
         counts = par.stage_layers
         _require(len(counts) == p and par.virtual_stages == 1,

@@ -99,7 +99,7 @@ _TP_NAMES = ("heads", "mlp", "vocab")
 
 @functools.lru_cache(maxsize=1024)
 def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool,
-                           flash: bool = False) -> tuple[int, int]:
+                           flash: bool = False, space: str | None = None) -> tuple[int, int]:
     """(bytes saved for the backward pass, bytes of the largest single saved value) of the loss of
     `rows` sequences through `mcfg.n_layers` blocks (with embedding, head and loss if `head`, else
     the blocks alone) on one device of a `model` axis of size t (tensor parallelism, and sequence
@@ -109,7 +109,9 @@ def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: 
     with abstract values under jaxpar's tensor-parallel marks (inside a shard_map on an abstract
     mesh): nothing is allocated, whatever the model's size. Parameters are not counted (they are
     stored anyway). With `flash`, attention is cuDNN's fused kernel as on a GPU, which saves q, k,
-    v, its output and the softmax statistics instead of the [seq, seq] scores (`_flash_standin`)."""
+    v, its output and the softmax statistics instead of the [seq, seq] scores (`_flash_standin`).
+    With `space` ("device" or "host"), only the values JAX places in that memory (remat `offload`
+    puts its saved matmul outputs on the host)."""
     from jax._src.ad_checkpoint import saved_residuals  # no public spelling in jax 0.10
 
     from jaxpar.sharding import LOGICAL_NAMES, Rules, TensorParallel, activation_rules
@@ -147,7 +149,8 @@ def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: 
 
     with _attention_kernel(flash):
         _trace_into(found, trace, loss, local, inputs, t)
-    sizes = [aval.size * aval.dtype.itemsize for aval, why in found if not str(why).startswith("from the argument")]
+    sizes = [aval.size * aval.dtype.itemsize for aval, why in found if not str(why).startswith("from the argument")
+             and (space is None or aval.memory_space.name.lower() == space)]
     return sum(sizes), max(sizes, default=0)
 
 
@@ -200,11 +203,12 @@ class _attention_kernel:
 
 
 @functools.lru_cache(maxsize=1024)
-def _bilinear(mcfg, t: int, sp: bool, remat: str, head: bool, flash: bool) -> tuple[float, float, float, float]:
+def _bilinear(mcfg, t: int, sp: bool, remat: str, head: bool, flash: bool,
+              space: str | None = None) -> tuple[float, float, float, float]:
     """(a, b, c, e) with saved bytes = a + b·rows + c·layers + e·rows·layers: every saved value is
     per row (the batch dim) or not (tables, masks), and per layer (the scan stacks it) or not
     (embedding, head, loss), so four traces give the exact bilinear form for any rows and depth."""
-    f = {(r, n): saved_activation_bytes(dataclasses.replace(mcfg, n_layers=n), r, t, sp, remat, head, flash)[0]
+    f = {(r, n): saved_activation_bytes(dataclasses.replace(mcfg, n_layers=n), r, t, sp, remat, head, flash, space)[0]
          for r in (1, 2) for n in (1, 2)}
     e = f[2, 2] - f[1, 2] - f[2, 1] + f[1, 1]
     c = f[1, 2] - f[1, 1] - e
@@ -223,6 +227,16 @@ def _activations(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool, flas
     L = mcfg.n_layers
     return {"layers": int((c + e * rows) * L), "fixed": int(a), "outside": int(b * rows),
             "layer_saved": int(c + e * rows), "layer_all": int(c0 + e0 * rows)}
+
+
+def _offloaded(mcfg, rows: int, t: int, sp: bool, remat: str, flash: bool, platform: str) -> int:
+    """Of the layer scan's saved activations, the bytes remat `offload` keeps in host memory (0 on
+    XLA:CPU, where JAX lowers the host copies to nothing and they stay in device memory: measured
+    equal to `dots`' temp bytes)."""
+    if remat != "offload" or platform == "cpu":
+        return 0
+    _, _, c, e = _bilinear(dataclasses.replace(mcfg, n_layers=1), t, sp, remat, True, flash, "host")
+    return int((c + e * rows) * mcfg.n_layers)
 
 
 def _tap_width(m, t: int) -> int:
@@ -292,6 +306,11 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     - pipeline_buffers: the stash (F's residuals; with a split table also what I keeps for W,
       written over them) and the receive buffers the schedule table declares, v chunks each, and
       the wstash of what does not fit in a stash slot.
+    - host_optimizer (not in `total`): with `parallel.offload: optimizer` on a GPU, the optimizer
+      state (moments, master), in pinned host memory; `optimizer` is then 0.
+    - host_activations (not in `total`): what remat `offload` keeps in pinned host memory, the
+      matmul outputs of every layer (one layer's are back on the device, in activations' working
+      set, while its backward runs). On XLA:CPU nothing is offloaded: 0, and they count as `dots`.
     """
     d, p, t = shape
     m, par = cfg.model, cfg.parallel
@@ -307,9 +326,14 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     micro = par.microbatches
     rows = cfg.train.global_batch // (d * micro)
     sp = par.sequence_parallel and t > 1
-    out = {"params": st["params"], "optimizer": st["optimizer"]}
+    # parallel.offload: optimizer keeps the optimizer state in pinned host memory (on a GPU; XLA:CPU
+    # counts it among the device arguments). The update's device copies are not modelled.
+    host_opt = st["optimizer"] if par.offload == "optimizer" and platform != "cpu" else 0
+    out = {"params": st["params"], "optimizer": st["optimizer"] - host_opt}
     zero = par.zero
     flash = uses_flash_attention(cfg, platform)
+    # Remat `offload` (refused under a pipeline): the layer scan's saved matmul outputs on the host.
+    host = _offloaded(m_act, rows, t, sp, par.remat, flash, platform) if p == 1 else 0
     if p == 1:
         if zero == 3 or (zero in (1, 2) and d > 1 and reduce_at_use(cfg, zero)):
             # Reduce-scattered where each layer's gradient arises: the data shards, plus one
@@ -321,6 +345,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         if micro > 1:
             grads = grads + (st["local"] if zero < 3 else st["grads"]) * f32
         act = _activations(m_act, rows, t, sp, par.remat, True, flash)
+        act["layers"] -= host
         buffers = 0
     else:
         sched, table = _schedule(cfg, p)
@@ -383,6 +408,8 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     out.update(gradients=int(grads), activations=int(saved + transient), pipeline_buffers=int(buffers),
                gathered_params=int(gathered), batch=rows * micro * (m.seq_len + 1) * 4)
     out["total"] = sum(out.values())
+    out["host_activations"] = host  # pinned host memory: not in the device total
+    out["host_optimizer"] = host_opt
     return out
 
 
@@ -513,7 +540,9 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     to b·s·h/t), the vocab-parallel embedding's and head's, and again for every recomputed forward
     (remat `full`; a pipeline's B runs from what F saved). Remat `dots` saves the matmul outputs but
     not an all-gathered input, so under SP the backward pass gathers again, nor the all-reduce
-    closing attention, so without SP it all-reduces that again. Small ones: the
+    closing attention, so without SP it all-reduces that again (`offload` saves what `dots`
+    does; `dots_except_mlp` saves attention's output after that all-reduce, but its backward
+    gathers the inputs again under SP as `dots`' does). Small ones: the
     gradients of kv projections replicated over `model` (n_kv_heads < t) and, under SP, of the
     norms, all-reduced per layer."""
     m, par = cfg.model, cfg.parallel
@@ -521,9 +550,10 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     A = rows * m.seq_len * m.d_model * act_size
     L = m.n_layers // p
     forwards = 1 + (par.remat == "full")  # forward passes of each layer per microbatch
+    dots = par.remat in ("dots", "offload")
     out = []
     if sp:
-        gathers = forwards + 1 + (par.remat == "dots")
+        gathers = forwards + 1 + (dots or par.remat == "dots_except_mlp")
         out.append(Collective("all-gather", ("model",), A, 2 * L * micro * gathers))
         out.append(Collective("reduce-scatter", ("model",), A / t, 2 * L * micro * (forwards + 1)))
         out.append(Collective("reduce-scatter", ("model",), A / t, micro))  # embedding, forward
@@ -533,7 +563,7 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     else:
         out.append(Collective("all-reduce", ("model",), A, 2 * L * micro * (forwards + 1)))
         out.append(Collective("all-reduce", ("model",), A, 2 * micro))  # embedding fwd, head input bwd
-        if par.remat == "dots":
+        if dots:
             # Remat `dots` saves the matmul outputs, not what the all-reduce closing attention
             # made of them; the norm after it needs that value, so the backward pass all-reduces
             # again (the MLP's is the next layer's saved input; measured).
@@ -565,14 +595,18 @@ def model_flops_per_token(cfg: Config) -> float:
 def hardware_flops_per_token(cfg: Config, p: int) -> float:
     """FLOPs the devices run per token: the model FLOPs, a tied output projection (GPT-2, tied llamas: 2·d·V
     forward, twice that backward, outside N), and the recomputed forwards: remat `full`
-    recomputes every block (2·N + 4·L·d·S), `dots` the attention core (4·L·d·S). A pipeline adds
-    nothing: B (or I and W) runs from what F saved."""
+    recomputes every block (2·N + 4·L·d·S), `dots` and `offload` the attention core (4·L·d·S),
+    `dots_except_mlp` the attention core and the MLP's matmuls whose outputs its backward needs
+    (up and gate, not down: 2·L·D·F each). A pipeline adds nothing: B (or I and W) runs from what
+    F saved."""
     m, remat = cfg.model, cfg.parallel.remat
     n = model.count_params(m, embeddings=False)
     attn_fwd = 4 * m.n_layers * m.n_heads * m.head_size * m.seq_len
     total = model_flops_per_token(cfg) + (6 * m.d_model * m.padded_vocab if m.tied else 0)
     forward = 2 * n + attn_fwd
-    return total + {"none": 0, "full": forward, "dots": attn_fwd}[remat]
+    mlp_in = 2 * m.n_layers * m.d_model * m.d_ff * (2 if m.arch == "llama" else 1)
+    return total + {"none": 0, "full": forward, "dots": attn_fwd, "offload": attn_fwd,
+                    "dots_except_mlp": attn_fwd + mlp_in}[remat]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -676,7 +710,8 @@ def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[st
     ticks = _schedule(cfg, p)[0].num_ticks()
     full, dots = par.remat == "full", par.remat == "dots"
     if par.sequence_parallel:
-        regather = 2 * Lc * (full or dots)
+        # (dots_except_mlp gathers again as dots; offload is refused under a pipeline.)
+        regather = 2 * Lc * (full or dots or par.remat == "dots_except_mlp")
         # F: the chunk forward, the head's input gather and (its backward) scatter, the
         # embedding's scatter; B or I: the chunk backward (and what remat recomputes).
         gathers = (2 * Lc + 1) + (2 * Lc + regather + 2 * Lc * full)

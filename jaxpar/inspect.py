@@ -69,13 +69,15 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-    """Per-device bytes from `compiled.memory_analysis()`."""
+    """Per-device bytes from `compiled.memory_analysis()`, and of the arguments those the compiled
+    entry layout places in host memory (`host_argument_bytes`, see `host_argument_bytes`)."""
 
     argument_bytes: int
     output_bytes: int
     temp_bytes: int
     alias_bytes: int
     generated_code_bytes: int
+    host_argument_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +149,22 @@ def analyze(compiled, mesh) -> Report:
     stats = compiled.memory_analysis()
     if stats is None:  # some backends do not implement it; say so rather than fail the collectives
         log.warning("this backend gives no memory analysis; memory is reported as 0")
+    text = compiled.as_text()
     memory = Memory(*(int(getattr(stats, f"{name}_size_in_bytes", 0) or 0) for name in
-                      ("argument", "output", "temp", "alias", "generated_code")))
-    return Report(memory, parse_hlo(compiled.as_text(), mesh, _device_order(compiled)))
+                      ("argument", "output", "temp", "alias", "generated_code")), host_argument_bytes(text))
+    return Report(memory, parse_hlo(text, mesh, _device_order(compiled)))
+
+
+def host_argument_bytes(hlo_text: str) -> int:
+    """Per-device bytes of the program's arguments in host memory: the entry parameters whose
+    layout has memory space 5 (`{1,0:S(5)}`, XLA's host space; jaxpar's `parallel.offload`).
+    XLA:CPU's `memory_analysis()` counts them among the arguments (its host argument bytes are 0),
+    so they are read from the compiled entry layout: on CPU the device's share of the arguments is
+    `argument_bytes - host_argument_bytes`."""
+    m = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo_text)
+    if m is None:
+        return 0
+    return sum(_bytes(shape) for shape in re.findall(r"\w+\[[^\]]*\]\{[^}]*S\(5\)[^}]*\}", m.group(1)))
 
 
 def _device_order(compiled):

@@ -136,6 +136,9 @@ def zeros_like_varying(x: jax.Array) -> jax.Array:
 PARAMS_TAG = "jaxpar_params"
 # The output of a weight matmul (`jaxpar.model.layers.linear`): saved by the `dots` remat policy.
 DOT_TAG = "jaxpar_dot"
+# The attention projections' outputs (q, k, v as projected, and the output projection after its
+# `exit_tp`): what the `dots_except_mlp` remat policy saves (MaxText's `save_dot_except_mlp`).
+ATTN_TAG = "jaxpar_attn_proj"
 
 # A hook that hands a parameter to the model: `(x, logical names, dtype) -> value`, where dtype is
 # the compute dtype the value must come out in (None: as stored). `x` is an array, or a `Handout`.

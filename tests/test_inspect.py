@@ -221,7 +221,7 @@ def test_to_dict_is_json_with_the_documented_keys(mesh):
     report = _report(mesh, lambda x: lax.psum(x, "model"), P("data"))
     d = json.loads(json.dumps(report.to_dict()))
     assert set(d["memory"]) == {"argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
-                                "generated_code_bytes"}
+                                "generated_code_bytes", "host_argument_bytes"}
     assert {"kind", "axes", "bytes", "in_loop", "executions", "op_name", "executions_known",
             "name", "computation"} <= set(d["collectives"][0])
     assert d["collectives"][0]["axes"] == ["model"]
@@ -257,3 +257,14 @@ def test_collectives_in_flight_counts_independent_ones_not_chained_ones(mesh):
     # A loop of reductions counts as its body's, beside an independent reduction outside it.
     scan = lambda x: lax.scan(lambda c, _: (c + lax.psum(c, "model"), None), x, None, length=3)[0]  # noqa: E731
     assert _in_flight(mesh, lambda x: scan(x) + lax.all_gather(x, "data", tiled=True)[:4]) == 2
+
+
+def test_host_argument_bytes_are_the_entry_parameters_in_memory_space_5():
+    """Arguments placed in host memory (`pinned_host` shardings, `parallel.offload`) carry S(5) in
+    the compiled entry layout; the others, scalars and outputs do not count."""
+    from jaxpar.inspect import host_argument_bytes
+
+    hlo = ("HloModule jit_step, entry_computation_layout={(f32[512,256]{1,0}, f32[512,256]{1,0:S(5)}, "
+           "bf16[8]{0:S(5)}, s32[])->(f32[512,256]{1,0:S(5)})}\n")
+    assert host_argument_bytes(hlo) == 512 * 256 * 4 + 8 * 2
+    assert host_argument_bytes("HloModule m, entry_computation_layout={(f32[4]{0})->f32[4]{0}}") == 0

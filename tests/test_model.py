@@ -36,7 +36,7 @@ def test_causal(arch):
     assert float(jnp.abs(g[:, :t + 1]).min(axis=-1).max()) > 0.0, "earlier positions must influence it"
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", ["full", "dots", "dots_except_mlp", "offload"])
 def test_remat_equals_no_remat(remat):
     cfg = small()
     params = model.init_params(cfg, jax.random.key(3))

@@ -49,6 +49,7 @@ MATRIX = {
     "gpt2-3d-1f1b": dict(arch="gpt2", mesh=(2, 2, 2), microbatches=4),
     "gpt2-dp8-zero3": dict(arch="gpt2", mesh=(8, 1, 1), zero=3),
     "pp4-tp2-zb-dots": dict(mesh=(1, 4, 2), schedule="zb_h1", microbatches=8, remat="dots"),
+    "dp2-tp4-dots-except-mlp": dict(mesh=(2, 1, 4), remat="dots_except_mlp"),
 }
 SLOW = {
     "one-device": dict(mesh=(1, 1, 1)),
@@ -62,6 +63,10 @@ SLOW = {
     "dp2-tp4-dots": dict(mesh=(2, 1, 4), remat="dots"),
     "dp2-pp4-zb": dict(mesh=(2, 4, 1), schedule="zb_h1", microbatches=4),
     "gpt2-3d-1f1b-dots": dict(arch="gpt2", mesh=(2, 2, 2), microbatches=4, remat="dots"),
+    # remat offload on XLA:CPU keeps its saved values in device memory (counted as such there).
+    "dp8-zero1-offload": dict(mesh=(8, 1, 1), zero=1, remat="offload"),
+    "3d-1f1b-sp-dots-except-mlp": dict(mesh=(2, 2, 2), zero=1, microbatches=4, sequence_parallel=True,
+                                       remat="dots_except_mlp"),
 }
 CASES = [pytest.param(k, id=k) for k in MATRIX] + [pytest.param(k, id=k, marks=pytest.mark.slow) for k in SLOW]
 

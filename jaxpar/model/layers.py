@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.sharding import DOT_TAG, constrain, enter_tp, exit_tp, local_kv_heads, tensor_parallel, varying_axes, vary
+from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, enter_tp, exit_tp, local_kv_heads, tensor_parallel, varying_axes, vary
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str, ...], dtype, std: float | None = None,
@@ -53,12 +53,14 @@ def linear(x: jax.Array, w: jax.Array, k: int = 1) -> jax.Array:
     16-bit compute (XLA:CPU computes it in float32 after casts: measured no change), and under
     tensor parallelism (XLA:CPU runs independent collectives in any order per device, and with
     this backward a ZeRO-3 reduce-scatter over `data` and an all-gather over `model` deadlocked).
-    The output is named `DOT_TAG`, so the `dots` remat policy saves it as it saves a plain dot's.
+    The output is named `DOT_TAG`, so the `dots` remat policy saves it as it saves a plain dot's
+    (and `offload` finds it by that name on every backend).
     """
     split = _SPLIT.get()
     if split is None and (not CPU_WEIGHT_GRADIENT_LAYOUT or jax.default_backend() != "cpu" or x.dtype != jnp.float32
                           or tensor_parallel()):
-        return jnp.einsum(x, list(range(x.ndim)), w, [*range(x.ndim - k, x.ndim), *range(x.ndim, x.ndim + w.ndim - k)])
+        return checkpoint_name(jnp.einsum(x, list(range(x.ndim)), w, [*range(x.ndim - k, x.ndim),
+                                                                    *range(x.ndim, x.ndim + w.ndim - k)]), DOT_TAG)
     # The custom backward returns each cotangent with its input's manual-axis type: make both
     # inputs vary over the same axes first (the pcast's own transpose then reduces, as autodiff of
     # the einsum would have).
@@ -266,9 +268,11 @@ class Attention(nnx.Module):
     def project_qkv(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries [B, T, N, H], keys and values [B, T, K, H] (biases added, RoPE not yet applied)."""
         dt = self.dtype
-        q_BxTxNxH = linear(x_BxTxD, self.wq[...].astype(dt))
-        k_BxTxKxH = linear(x_BxTxD, self.wk[...].astype(dt))
-        v_BxTxKxH = linear(x_BxTxD, self.wv[...].astype(dt))
+        # Named as projected (`ATTN_TAG`, what remat `dots_except_mlp` saves): bias, q/k norm and
+        # RoPE are recomputed from them, and the norm's backward needs its input, not its output.
+        q_BxTxNxH = checkpoint_name(linear(x_BxTxD, self.wq[...].astype(dt)), ATTN_TAG)
+        k_BxTxKxH = checkpoint_name(linear(x_BxTxD, self.wk[...].astype(dt)), ATTN_TAG)
+        v_BxTxKxH = checkpoint_name(linear(x_BxTxD, self.wv[...].astype(dt)), ATTN_TAG)
         if self.qkv_bias:
             q_BxTxNxH += self.bq[...].astype(dt)
             k_BxTxKxH += self.bk[...].astype(dt)
@@ -294,7 +298,9 @@ class Attention(nnx.Module):
                                                  implementation=self.implementation)
         o_BxTxNxH = constrain(o_BxTxNxH, ("batch", "seq", "heads", "head_dim"))
         # Row-parallel: each model rank holds a partial sum until `exit_tp`; the bias comes after.
-        out_BxTxD = exit_tp(linear(o_BxTxNxH, self.wo[...].astype(dt), 2))
+        # Named after `exit_tp`, so a policy that saves it (`dots_except_mlp`) keeps the reduced
+        # value (1/t of it under SP) and the backward pass does not repeat the collective.
+        out_BxTxD = checkpoint_name(exit_tp(linear(o_BxTxNxH, self.wo[...].astype(dt), 2)), ATTN_TAG)
         if self.arch == "gpt2":
             out_BxTxD += self.bo[...].astype(dt)
         return out_BxTxD

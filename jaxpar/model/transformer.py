@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.layers import Block, active_split, block_class, norm, param
-from jaxpar.sharding import DOT_TAG, constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
+from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
 
 Params = dict[str, Any]
 
@@ -30,6 +30,16 @@ REMAT_POLICIES = {
     # (`linear`'s matmuls are named DOT_TAG: on CPU a custom_vjp hides their dot from the policy.)
     "dots": params_never_saved(jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, jax.checkpoint_policies.save_only_these_names(DOT_TAG))),
+    # Save the attention projections (q, k, v as projected; the output projection after its
+    # reduction over `model`), recompute the MLP and the attention core: MaxText's
+    # `save_dot_except_mlp`. The MLP's [seq, d_ff] matmul outputs are most of what `dots` holds.
+    "dots_except_mlp": params_never_saved(jax.checkpoint_policies.save_only_these_names(ATTN_TAG)),
+    # What `dots` saves, offloaded to host memory (`pinned_host`) in the forward pass and copied
+    # back for the backward; nothing else saved. (On XLA:CPU, where device memory is host memory,
+    # JAX lowers the copies to nothing: it runs as `dots` through the names.)
+    "offload": params_never_saved(jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[DOT_TAG],
+        offload_src="device", offload_dst="pinned_host")),
 }
 
 

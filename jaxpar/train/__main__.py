@@ -48,7 +48,8 @@ def summary(cfg, mesh) -> str:
         f"lr {tr.lr:g}, data {cfg.data.source!r}, run_dir {tr.run_dir}",
         f"parallel zero {cfg.parallel.zero}, remat {cfg.parallel.remat}, microbatches {cfg.parallel.microbatches}; "
         f"gradients: {naive.describe(cfg) if cfg.parallel.data_mode == 'naive' else describe_reduction(cfg)}",
-        f"state   per device (of the fully replicated total): {per_device}",
+        f"state   per device (of the fully replicated total): {per_device}"
+        + ("; optimizer state in pinned host memory" if cfg.parallel.offload == "optimizer" else ""),
         *_pipeline_line(cfg, mesh),
         "mesh\n" + describe(mesh),
     ])

@@ -76,11 +76,15 @@ def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: 
     return cross_entropy_sum(logits, targets, cfg.model.vocab_size) / (targets.size if n_tokens is None else n_tokens)
 
 
-def _opt_state_shardings(opt_shapes: Any, param_shardings: Any, replicated: NamedSharding) -> Any:
-    """Adam's moments (subtrees shaped like the parameters) live where their parameters live;
-    everything else (step counts) is replicated."""
+def _opt_state_shardings(opt_shapes: Any, param_shardings: Any, replicated: NamedSharding,
+                         memory_kind: str = "device") -> Any:
+    """Adam's moments (subtrees shaped like the parameters, the master copy too) live where their
+    parameters live, in `memory_kind` (`pinned_host`: `parallel.offload: optimizer`); everything
+    else (step counts) is replicated on the device."""
     params_def = jax.tree.structure(param_shardings)
     is_params = lambda x: jax.tree.structure(x) == params_def  # noqa: E731
+    if memory_kind != "device":
+        param_shardings = jax.tree.map(lambda s: s.with_memory_kind(memory_kind), param_shardings)
     return jax.tree.map(lambda x: param_shardings if is_params(x) else replicated, opt_shapes, is_leaf=is_params)
 
 
@@ -120,6 +124,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     if cfg.model.attention == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attention = cudnn needs an NVIDIA GPU, but the mesh's devices are {platform}; "
                           "set model.attention=auto (cuDNN where it can run, XLA elsewhere) or xla.")
+    check_host_memory(cfg, mesh.devices.flat[0])
     names, shapes = model.param_names(cfg.model), model.param_shapes(cfg.model)
     layout = make_layout(cfg, mesh, names, shapes)
     optimizer = make_optimizer(cfg.train, names)
@@ -140,8 +145,12 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         return naive.build(cfg, mesh, layout, optimizer, schedule, lambda p, rows, n: loss_fn(cfg, p, rows, n),
                            shapes, batch_sharding)
     opt_shapes = jax.eval_shape(optimizer.init, shapes)
-    state_shardings = TrainState(replicated, param_shardings,
-                                 _opt_state_shardings(opt_shapes, moment_shardings, replicated), replicated)
+    # ZeRO-Offload (parallel.offload: optimizer): the state lives in host memory between steps; the
+    # update copies it in and its result out (per leaf, as XLA schedules the copies).
+    offload = cfg.parallel.offload == "optimizer"
+    opt_on_device = _opt_state_shardings(opt_shapes, moment_shardings, replicated)
+    opt_stored = _opt_state_shardings(opt_shapes, moment_shardings, replicated, "pinned_host") if offload else opt_on_device
+    state_shardings = TrainState(replicated, param_shardings, opt_stored, replicated)
     on_nan = cfg.train.on_nan
     master = cfg.train.master_weights != "none"
     # Where 16-bit parameters become float32 for differentiation (README, "Master weights"). Where
@@ -188,6 +197,12 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
 
     def update(params_and_opt_state, g, grad_norm):
         params, opt_state = params_and_opt_state
+        if offload:  # the new state goes back to host memory below (both branches of the cond agree)
+            opt_state = jax.device_put(opt_state, opt_on_device)
+        params, opt_state = _update(params, opt_state, g, grad_norm)
+        return params, (jax.device_put(opt_state, opt_stored) if offload else opt_state)
+
+    def _update(params, opt_state, g, grad_norm):
         updates, opt_state = optimizer.update(g, opt_state, params, grad_norm=grad_norm)
         # ZeRO-1/2: each device computes the update of its optimizer-state shard only; the new
         # parameters are then all-gathered to their (replicated) storage layout by out_shardings.
@@ -227,6 +242,26 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
                                in_shardings=(param_shardings, batch_sharding),
                                out_shardings=(replicated, grad_shardings)),
     )
+
+
+def check_host_memory(cfg: Config, device) -> None:
+    """Remat `offload` keeps saved activations, `parallel.offload: optimizer` the optimizer state,
+    in `pinned_host` memory: refused (before compiling) on a backend whose devices have none."""
+    par = cfg.parallel
+    if par.remat != "offload" and par.offload == "none":
+        return
+    try:
+        kinds = sorted({m.kind for m in device.addressable_memories()})
+    except (AttributeError, NotImplementedError, RuntimeError):  # a backend without memory kinds
+        kinds = []
+    if "pinned_host" in kinds:
+        return
+    have = f"the {device.platform} backend's devices have {kinds or 'no memory kinds'}"
+    if par.remat == "offload":
+        raise ConfigError(f"parallel.remat = offload needs pinned_host memory to offload to, but {have}; set "
+                          "parallel.remat=dots (the same values kept in device memory) or dots_except_mlp.")
+    raise ConfigError(f"parallel.offload = {par.offload} needs pinned_host memory to keep the optimizer state "
+                      f"in, but {have}; set parallel.offload=none (and parallel.zero=1 or more to shard it).")
 
 
 def lower_step(cfg: Config, mesh: Mesh | None = None) -> tuple[jax.stages.Compiled, Mesh]:
