@@ -57,36 +57,40 @@ def model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     """Per-device bytes of the stored state and of its parts that collectives move:
     params / grads / optimizer (jaxpar.parallel.zero.state_bytes), `local` (the parameters after
     tensor and pipeline splitting, before ZeRO), `sharded` (of `local`, the leaves ZeRO shards
-    over data), `blocks_sharded` (of those, the stacked block leaves), `blocks` (all block leaves)."""
+    over data), `blocks_sharded` (of those, the stacked block leaves), `blocks` (all block leaves),
+    `staged` (of `local`, the shared leaves a pipeline stores sharded over `stage`)."""
     layout, mesh = _layout(cfg, shape)
     shapes = model.param_shapes(cfg.model)
     # Adam: two moments in the parameter dtype; with master weights, master and moments in float32
     # (3 x 4 bytes, in units of the parameter's bytes), on the same layout.
     per_param = 2 if cfg.train.master_weights == "none" else 3 * 4 // _BYTES[cfg.model.param_dtype]
     acct = state_bytes(layout, shapes, mesh, moments_per_param=per_param)
-    base = jax.tree.map(lambda spec, d: _strip_data(spec), layout.moments, layout.zero_dims,
-                        is_leaf=lambda x: isinstance(x, P))
+    # (Per device as used in the step: the shared leaves stored over `stage` are gathered there.)
+    base = jax.tree.map(lambda spec, sd: _strip_data(spec, "stage" if sd is not None else None), layout.moments,
+                        layout.stage_dims, is_leaf=lambda x: isinstance(x, P))
     out = {"params": acct["params"]["per_device"], "grads": acct["grads"]["per_device"],
            "optimizer": acct["optimizer"]["per_device"]}
-    out.update(local=0, sharded=0, blocks_sharded=0, blocks=0)
+    out.update(local=0, sharded=0, blocks_sharded=0, blocks=0, staged=0)
     flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
     flat_base = jax.tree.leaves(base, is_leaf=lambda x: isinstance(x, P))
     flat_dims = jax.tree.leaves(layout.zero_dims, is_leaf=lambda x: x is None or isinstance(x, int))
-    for (path, s), spec, dim in zip(flat_shapes, flat_base, flat_dims):
+    flat_sdims = jax.tree.leaves(layout.stage_dims, is_leaf=lambda x: x is None or isinstance(x, int))
+    for (path, s), spec, dim, sdim in zip(flat_shapes, flat_base, flat_dims, flat_sdims):
         split = math.prod(mesh.shape[a] for ax in spec for a in ((ax,) if isinstance(ax, str) else ax or ()))
         nbytes = s.size * s.dtype.itemsize // split
         is_block = path[0].key == "blocks"
         out["local"] += nbytes
         out["blocks"] += nbytes * is_block
+        out["staged"] += nbytes * (sdim is not None)
         if dim is not None:
             out["sharded"] += nbytes
             out["blocks_sharded"] += nbytes * is_block
     return out
 
 
-def _strip_data(spec: P) -> P:
+def _strip_data(spec: P, also: str | None = None) -> P:
     def drop(ax):
-        kept = tuple(a for a in ((ax,) if isinstance(ax, str) else ax or ()) if a != "data")
+        kept = tuple(a for a in ((ax,) if isinstance(ax, str) else ax or ()) if a not in ("data", also))
         return None if not kept else kept[0] if len(kept) == 1 else kept
     return P(*map(drop, spec))
 
@@ -283,7 +287,8 @@ def uses_flash_attention(cfg: Config, platform: str) -> bool:
 def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> dict[str, int]:
     """Predicted per-device bytes of one training step of `cfg` on a (data, stage, model) mesh of
     `shape`, by part: `params`, `gradients`, `optimizer`, `activations`, `pipeline_buffers`,
-    `gathered_params` (ZeRO-3's all-gathered copies), `batch`, and `total` (what
+    `gathered_params` (ZeRO-3's all-gathered copies, and a pipeline's shared leaves gathered over
+    `stage`), `batch`, and `total` (what
     `compiled.memory_analysis()` calls arguments + temp; outputs alias the donated state).
 
     - params, optimizer: the stored state of jaxpar's ZeRO layout (Adam: two moments, in the
@@ -405,6 +410,8 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         gathered = (shared + (st["blocks"] if _gather_per_step(cfg, p) else in_flight * blocks_layer)) * g
         if not _gather_per_step(cfg, p):  # gathered per use in the compute dtype (matrices: nearly all of it)
             gathered = gathered * min(1.0, _BYTES[m.dtype] / itemsize)
+    if p > 1:  # the shared leaves stored over `stage`, gathered for the step (ZeRO-3: its data shard)
+        gathered += st["staged"] / (d if zero == 3 else 1)
     out.update(gradients=int(grads), activations=int(saved + transient), pipeline_buffers=int(buffers),
                gathered_params=int(gathered), batch=rows * micro * (m.seq_len + 1) * 4)
     out["total"] = sum(out.values())
@@ -514,7 +521,17 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
                 out.append(Collective("all-gather", ("data",), st["blocks_sharded"] * gb, uses, overlap=True))
         elif d > 1:
             out.append(Collective("all-reduce", ("data",), st["blocks"] * f32))
-        out.append(Collective("all-reduce", ("data", "stage") if d > 1 else ("stage",), shared * f32))
+        # The shared leaves stored sharded over `stage` (large ones: embeddings, head) are gathered
+        # over `stage` before the loop and their gradients reduce-scattered over it after; the
+        # others are all-reduced (over data and stage together).
+        staged = st["staged"]
+        if staged:
+            out.append(Collective("all-gather", ("stage",), staged))
+            out.append(Collective("reduce-scatter", ("stage",), staged * f32 / p))
+            if d > 1:
+                out.append(Collective("all-reduce", ("data",), staged * f32))
+        if shared > staged:
+            out.append(Collective("all-reduce", ("data", "stage") if d > 1 else ("stage",), (shared - staged) * f32))
         if d > 1 and zero in (1, 2) and st["sharded"]:
             out.append(Collective("all-gather", ("data",), st["sharded"]))
         if par.virtual_stages > 1 or (par.stage_layers is not None and len(set(par.stage_layers)) > 1):

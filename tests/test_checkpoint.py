@@ -38,14 +38,17 @@ def file_losses(run_dir) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, request):
-    """6 steps on (2, 2, 2) (ZeRO-1, 1F1B, sequence parallel), checkpoints at steps 3 and 6."""
+    """6 steps on (2, 2, 2) (ZeRO-1, 1F1B, sequence parallel), checkpoints at steps 3 and 6. A low
+    `zero_min_elements` shards the small model's leaves as a large model's are: the blocks over
+    `data`, the embedding and head over `stage` too (so resuming moves stage-sharded leaves)."""
     from jaxpar.config import from_dict
 
     run = tmp_path_factory.mktemp("straight")
     base = {"model": {"arch": "llama", "n_layers": 8, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,
                       "vocab_size": 64, "seq_len": 16},
             "mesh": {"data": 2, "stage": 2, "model": 2},
-            "parallel": {"zero": 1, "schedule": "1f1b", "microbatches": 2, "sequence_parallel": True},
+            "parallel": {"zero": 1, "schedule": "1f1b", "microbatches": 2, "sequence_parallel": True,
+                         "zero_min_elements": 1024},
             "train": {"steps": 6, "global_batch": 8, "lr": 1e-2, "warmup_steps": 1, "log_every": 1,
                       "checkpoint_every": 3, "run_dir": str(run)}}
     cfg = from_dict(base)

@@ -75,6 +75,16 @@ def test_pipeline_matches_single_device_full_matrix(arch, stage, schedule, m, re
 # Pipelining composed with data parallelism, ZeRO and tensor parallelism: tests/test_composition.py.
 
 
+@pytest.mark.parametrize("arch, stage, schedule, m, data, model_, zero", [
+    ("llama", 4, "1f1b", 4, 1, 1, 0), ("gpt2", 2, "zb_h1", 3, 2, 2, 3), ("gpt2", 4, "interleaved_1f1b", 4, 2, 1, 2)])
+def test_shared_leaves_sharded_over_stage_match_single_device(arch, stage, schedule, m, data, model_, zero):
+    """The embedding and head stored over `stage` (here with `zero_min_elements` 0, as a large
+    model's are by default; gpt2 ties them: both end stages' gradients meet in one leaf), with
+    ZeRO over `data` and the vocabulary over `model`."""
+    cfg = tiny_pp(arch, stage, schedule, m, data=data, model_=model_, zero=zero)
+    check_parity(cfg.replace(parallel={"zero_min_elements": 0}))
+
+
 @pytest.mark.parametrize("counts, data", [((3, 5), 2), ((1, 3, 3, 1), 1)])
 def test_explicit_layers_per_stage(counts, data):
     """Lighter end stages (they also run the embedding and the loss): padded slots pass through."""
@@ -130,6 +140,32 @@ def test_stash_memory_follows_the_table_and_the_remat_policy():
     # 10%: besides the two activations a slot holds the layer's small residuals (norm statistics).
     assert abs(full - 2 * chunk_input) <= 0.1 * 2 * chunk_input, (full, chunk_input)
     assert none > 4 * full, (none, full)
+
+
+def test_shared_leaves_are_stored_sharded_over_stage(monkeypatch):
+    """The embedding and head, used by the end stages only, are stored (with their Adam moments)
+    as 1/p per device: all-gathered over `stage` before the tick loop, their gradients
+    reduce-scattered over `stage` after it (the bytes of the all-reduce a replicated leaf needs).
+    The step's argument bytes fall by (1 - 1/p) of the two leaves and their two moments."""
+    from jaxpar.parallel import zero as zero_module
+
+    cfg = medium_pp("1f1b", 4).replace(model={"vocab_size": 512})  # embed, head: 512 x 64 each
+    p, shared = 4, 2 * 512 * 64 * 4  # float32 bytes of embed + lm_head
+    mesh = make_mesh(cfg, jax.devices()[:4])
+    layout = zero_module.make_layout(cfg, mesh, model.param_names(cfg.model), model.param_shapes(cfg.model))
+    assert layout.stage_dims["embed"] == 0 and layout.stage_dims["lm_head"] == 1  # the vocab dims
+    assert layout.stage_dims["final_norm"]["scale"] is None  # small: replicated, all-reduced
+    compiled, _ = lower_step(cfg, mesh)
+    report = analyze(compiled, mesh)
+    gathers = report.select(kind="all-gather", axes="stage", in_loop=False)
+    scatters = report.select(kind="reduce-scatter", axes="stage", in_loop=False)
+    assert sum(c.bytes for c in gathers) == shared and sum(c.bytes for c in scatters) == shared // p, (
+        [(c.kind, c.bytes) for c in (*gathers, *scatters)])
+    assert report.traffic("all-reduce", axes="stage") < shared // 64  # only the final norm's scale
+    monkeypatch.setattr(zero_module, "_stage_dim", lambda *a: None)  # replicated over stage, as before
+    before, _ = lower_step(cfg, mesh)
+    saved = before.memory_analysis().argument_size_in_bytes - compiled.memory_analysis().argument_size_in_bytes
+    assert saved == 3 * shared * (p - 1) // p, saved  # parameters and two moments
 
 
 def count_matmul_forwards(fn, *args) -> int:

@@ -145,6 +145,11 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
 
     def local(params, batch):
         stage = jax.lax.axis_index(STAGE)
+        # The shared leaves (embeddings, final norm, head) are stored sharded over `stage` where
+        # they are large (`Layout.stage_dims`): gathered here, for the step.
+        params = {k: w if k == "blocks" else jax.tree.map(_gather_stage, w, layout.stage_dims[k],
+                                                             is_leaf=lambda x: x is None or isinstance(x, int))
+                  for k, w in params.items()}
         param_fn = (_gather_at_use(params, names, layout.zero_dims) if gather == "microbatch"
                     else hand_out(layout) if scatter_mb else None)
         if gather == "step":  # every sharded leaf once per step, kept for the step
@@ -402,8 +407,9 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         # The one reduction per step, after the tick loop.
         g_blocks = jax.tree.map(lambda g, w, dim: reduce_data(g.reshape(-1, *g.shape[2:]), dim).astype(w.dtype),
                                 g_blocks, params["blocks"], layout.zero_dims["blocks"])
-        g_shared = {k: jax.tree.map(lambda g, w, dim: jax.lax.psum(reduce_data(g, dim), STAGE).astype(w.dtype),
-                                    g_shared[k], params[k], layout.zero_dims[k]) for k in g_shared}
+        g_shared = {k: jax.tree.map(lambda g, w, dim, sdim: _reduce_stage(reduce_data(g, dim), sdim).astype(w.dtype),
+                                    g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k])
+                    for k in g_shared}
         return jax.lax.psum(loss, (*data_axes, STAGE)), {**g_shared, "blocks": g_blocks}
 
     batch_spec = P(DATA) if dp else P()
@@ -491,6 +497,17 @@ def _write_items(stash, wstash, packing, new, valid, slot, wslot, after):
         old = jax.lax.dynamic_slice(stash[i], (slot, off), upd.shape)
         stash[i] = jax.lax.dynamic_update_slice(stash[i], jnp.where(valid, upd, old), (slot, off))
     return tuple(stash), wstash
+
+
+def _gather_stage(w: jax.Array, dim: int | None) -> jax.Array:
+    """A shared leaf stored sharded over `stage` all-gathered along its stage dim (else as is)."""
+    return w if dim is None else jax.lax.all_gather(w, STAGE, axis=dim, tiled=True)
+
+
+def _reduce_stage(g: jax.Array, dim: int | None) -> jax.Array:
+    """A shared leaf's gradient summed over `stage` (only the end stages contribute): reduce-scattered
+    along its stage dim where it is stored sharded over `stage`, else all-reduced."""
+    return jax.lax.psum(g, STAGE) if dim is None else jax.lax.psum_scatter(g, STAGE, scatter_dimension=dim, tiled=True)
 
 
 def _param_leaves(*trees) -> list:

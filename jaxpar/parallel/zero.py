@@ -10,6 +10,14 @@ Stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
   small biases) stays replicated: sharding it would save a few bytes and cost one collective;
 - a leaf with no dim to shard stays replicated; under ZeRO-3 a large one (at least
   `zero_min_elements`) is refused with a ConfigError before compiling, never silently replicated.
+
+With a pipeline (`stage` > 1) the leaves outside the layer stack (embeddings, final norm, head),
+which only the end stages use, are also stored sharded over `stage` (`Layout.stage_dims`: the
+largest dim other than the ZeRO dim that the stage size divides, at least `zero_min_elements`
+elements) with their optimizer state: the pipeline all-gathers them over `stage` before its tick
+loop and reduce-scatters their gradients over `stage` after it, the same bytes as the all-reduce
+over `stage` that replicated leaves need, and each device keeps 1/p of them and of their moments
+(DESIGN.md §4).
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ class Layout:
     moments: Any
     zero_dims: Any
     gather_dims: dict  # (names, shape of a shard) -> its data-sharded dim, for a shard met by name
+    stage_dims: Any = None  # per leaf, the dim sharded over `stage` (shared leaves of a pipeline) or None
 
     def gather_dim(self, names: tuple[str, ...], shard_shape: tuple[int, ...]) -> int:
         """The data-sharded dim of a parameter shard with logical `names` (one layer's, or stacked)."""
@@ -111,8 +120,36 @@ def make_layout(cfg: Config, mesh: Mesh, names: Any, shapes: Any) -> Layout:
     # DeepSpeed stage 1, Megatron's distributed optimizer); ZeRO-1 and 2 differ in whether the
     # full gradient is accumulated before its reduction (`jaxpar.parallel.gradients`).
     moments = stage(1)
-    return Layout(zero=zero, params=stage(3), grads=moments, moments=moments, zero_dims=dims,
-                  gather_dims=_gather_dims(names, shapes, moments, dims, mesh))
+    gather_dims = _gather_dims(names, shapes, moments, dims, mesh)  # (as the pipeline meets them: stage-gathered)
+    p = mesh.shape["stage"]
+    sdims = jax.tree.map(lambda n, s, b, d: _stage_dim(n, s.shape, split(_with_data(b, d)), d, p, min_elements),
+                         names, shapes, base, dims, is_leaf=_is_names)
+    with_stage = lambda tree: jax.tree.map(_with_stage, tree, sdims, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
+    return Layout(zero=zero, params=with_stage(stage(3)), grads=with_stage(moments), moments=with_stage(moments),
+                  zero_dims=dims, gather_dims=gather_dims, stage_dims=sdims)
+
+
+def _stage_dim(names: tuple[str, ...], shape: tuple[int, ...], split: tuple[int, ...], zero_dim: int | None,
+               stages: int, min_elements: int) -> int | None:
+    """The dim of a leaf outside the layer stack stored sharded over `stage` (None: replicated over
+    `stage`): the largest dim, other than the ZeRO dim, that the stage size divides after the other
+    axes' split; none for block leaves (their `layers` dim is on `stage` already), one stage, or
+    a leaf under `min_elements`."""
+    if stages == 1 or "layers" in names or math.prod(shape) < min_elements:
+        return None
+    fits = [i for i in range(len(shape)) if i != zero_dim and shape[i] % (split[i] * stages) == 0]
+    return max(fits, key=lambda i: (shape[i], -i)) if fits else None
+
+
+def _with_stage(spec: P, dim: int | None) -> P:
+    """`spec` with `stage` innermost on `dim` (after `model`: a model rank's slice is gathered over
+    `stage` as a contiguous block, as `_with_data` does for `data`)."""
+    if dim is None:
+        return spec
+    axes = list(spec)
+    current = axes[dim]
+    axes[dim] = "stage" if current is None else ((current,) if isinstance(current, str) else tuple(current)) + ("stage",)
+    return P(*axes)
 
 
 def _gather_dims(names: Any, shapes: Any, specs: Any, dims: Any, mesh: Mesh) -> dict:
