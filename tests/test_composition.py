@@ -173,21 +173,25 @@ def report_of(cfg):
     return _COMPILED[key]
 
 
-def gathered_leaves(cfg):
+def gathered_leaves(cfg, stored=False):
     """Per-device bytes, once gathered over `data`, of each leaf that ZeRO shards (blocks: this
-    stage's layers; the embedding and head: whole), split into (blocks, shared)."""
+    stage's layers; the embedding and head: whole, or with `stored` as stored, 1/p where they are
+    sharded over `stage` too), split into (blocks, shared)."""
     program = build(cfg)
     mesh, layout = program.mesh, program.layout
     shapes = model.param_shapes(cfg.model)
 
-    def gathered(spec, s, dim):
+    def gathered(spec, s, dim, sdim):
         if dim is None:
             return None
+        # (A shared leaf stored over `stage` too is gathered over `stage` first, before the loop.)
+        skip = ("data", "stage") if sdim is not None and not stored else ("data",)
         split = math.prod(mesh.shape[a] for ax in spec if ax for a in ((ax,) if isinstance(ax, str) else ax)
-                          if a != "data")
+                          if a not in skip)
         return s.size * s.dtype.itemsize // split
 
-    per_leaf = jax.tree.map(gathered, layout.params, shapes, layout.zero_dims, is_leaf=lambda x: isinstance(x, P))
+    per_leaf = jax.tree.map(gathered, layout.params, shapes, layout.zero_dims, layout.stage_dims,
+                            is_leaf=lambda x: isinstance(x, P))
     blocks = [b for b in jax.tree.leaves(per_leaf["blocks"]) if b is not None]
     shared = [b for k, v in per_leaf.items() if k != "blocks" for b in jax.tree.leaves(v) if b is not None]
     return blocks, shared
@@ -201,8 +205,9 @@ def test_zero2_pipeline_reduce_scatters_once_after_the_tick_loop():
     scatters = r.select(kind="reduce-scatter", spans="data")
     assert all(c.executions == 1 for c in scatters)
     assert sum(c.traffic for c in scatters) == sum(blocks + shared) // D  # each gradient once, 1/d kept
-    # The updated parameters are all-gathered once to their replicated storage (ZeRO-2 keeps them whole).
-    assert r.traffic(kind="all-gather", spans="data") == sum(blocks + shared)
+    # The updated parameters are all-gathered once to their storage (ZeRO-2 keeps them whole over
+    # `data`; the embedding and head are stored 1/p over `stage`).
+    assert r.traffic(kind="all-gather", spans="data") == sum(sum(x) for x in gathered_leaves(cfg, stored=True))
 
 
 def test_zero3_step_gathers_every_leaf_once_per_step():
@@ -245,15 +250,16 @@ def test_zero3_microbatch_gathers_every_layer_in_every_forward_and_backward():
 
 
 def test_zero3_gather_placement_trades_memory_for_traffic():
-    """step holds this stage's gathered parameters for the step (temp grows by exactly their bytes
-    over ZeRO-2, whose parameters are arguments) and a full float32 accumulator; microbatch holds
-    shards of both, for more data-axis traffic."""
+    """step holds this stage's gathered parameters for the step (temp grows by exactly its gathered
+    blocks over ZeRO-2, whose blocks are arguments; both hold the embedding and head gathered,
+    ZeRO-2 over `stage` alone, ZeRO-3 over `stage` and `data`) and a full float32 accumulator;
+    microbatch holds shards of both, for more data-axis traffic."""
     step, micro, zero2 = report_of(medium(3, "step")), report_of(medium(3, "microbatch")), report_of(medium(2, reduce="step"))
     blocks, shared = gathered_leaves(medium(3))
     full = sum(blocks + shared)
     # 1%: XLA's buffer assignment may round or share a small buffer differently (measured exact
     # to 64 bytes of 5.5 MiB).
-    assert abs((step.memory.temp_bytes - zero2.memory.temp_bytes) - full) <= 0.01 * full
+    assert abs((step.memory.temp_bytes - zero2.memory.temp_bytes) - sum(blocks)) <= 0.01 * full
     # Gathered parameters and the float32 accumulator, (1 - 1/d) of each, at least.
     assert step.memory.temp_bytes - micro.memory.temp_bytes >= 2 * (1 - 1 / D) * full
     assert micro.traffic(spans="data") > 3 * step.traffic(spans="data")
