@@ -326,18 +326,19 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                                 for s in saved_b)
             cot = bwd_buf[row["b_in"][stage] + row["i_in"][stage]]
 
-            def run_b():
+            # The gradients accumulate inside the action's cond: an idle tick neither fills zeros
+            # nor adds them to the float32 accumulators.
+            def run_b(acc):
                 d_rest, dsh, dx, d_taps = backward(saved_b, cot, bk)
                 d_taps = {k_: tuple(vary(a, taps[k_][4]) for a in xg) for k_, xg in (d_taps or {}).items()}
-                return d_rest, dsh, dx, d_taps
+                return add(acc, d_rest, bk), dsh, dx, d_taps
 
-            def no_b():
-                rest = {k_: w for k_, w in flat(diff_blocks(chunk_params(bk))).items() if k_ not in taps}
-                return (jax.tree.map(zeros_like_varying, rest), jax.tree.map(zeros_like_varying, diff_shared()),
-                        zeros_like_varying(x_f), zero_taps())
+            def no_b(acc):
+                return acc, jax.tree.map(zeros_like_varying, diff_shared()), zeros_like_varying(x_f), zero_taps()
 
-            d_rest, dsh_b, dx, d_taps = jax.lax.cond(bv + iv > 0, run_b, no_b)
-            g_blocks = add(g_blocks, d_rest, bk)
+            acc_rest, dsh_b, dx, d_taps = jax.lax.cond(bv + iv > 0, run_b, no_b,
+                                                        {k_: a for k_, a in g_blocks.items() if k_ not in taps})
+            g_blocks = {**g_blocks, **acc_rest}
             dw = {}
             if table.split:
                 # W: of this tick's fused B (a split table may hold some), and of an earlier I from
@@ -345,12 +346,16 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                 zero_w = lambda: {k_: zeros_like_varying(g_blocks[k_][0]) for k_ in taps}  # noqa: E731
                 if table.rows["b_valid"].any():
                     g_blocks = add(g_blocks, jax.lax.cond(bv > 0, lambda: weight_grads(d_taps), zero_w), bk)
-                def run_w():
-                    got = _read_items(stash, wstash, packing, row["w_stash"][stage], row["w_wstash"][stage])
-                    return weight_grads({k_: (got[(k_, 0)], got[(k_, 1)]) for k_ in taps})
+                # (W's inputs are sliced out here, not inside the cond: a buffer that is a cond's
+                # operand and written later in the tick is copied whole by XLA, every tick.)
+                got = _read_items(stash, wstash, packing, row["w_stash"][stage], row["w_wstash"][stage])
 
-                dw = jax.lax.cond(wv > 0, run_w, zero_w)
-                g_blocks = add(g_blocks, dw, row["w_chunk"][stage])
+                def run_w(acc):  # (accumulated inside the cond: idle ticks touch no accumulator)
+                    return add(acc, weight_grads({k_: (got[(k_, 0)], got[(k_, 1)]) for k_ in taps}),
+                               row["w_chunk"][stage])
+
+                dw = jax.lax.cond(wv > 0, run_w, lambda acc: acc, {k_: g_blocks[k_] for k_ in taps})
+                g_blocks = {**g_blocks, **dw}
             # Every write of the stash and wstash after every read of them has been consumed (else
             # XLA keeps a copy of the whole buffer): I's outputs for W into its own slot, over the
             # residuals it has consumed (and the wstash), then F's residuals into its slot.
@@ -360,7 +365,8 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                 stash, wstash = _write_items(stash, wstash, packing, new, iv > 0, row["i_stash"][stage],
                                              row["i_wstash"][stage], after)
             f_slot = row["f_stash"][stage]
-            stash = tuple(s.at[f_slot].set(jnp.where(fv > 0, after(n).reshape(-1), s[f_slot])) for s, n in zip(stash, saved))
+            stash = jax.lax.cond(fv > 0, lambda st: tuple(s.at[f_slot].set(after(n).reshape(-1)) for s, n in zip(st, saved)),
+                                 lambda st: st, stash)  # (a cond, not a select: see `_write_items`)
             g_shared = jax.tree.map(lambda a, g1, g2: a + g1.astype(jnp.float32) + g2.astype(jnp.float32),
                                     g_shared, dsh_f, dsh_b)
             # One hop per tick: activations to the next stage, gradients to the previous one; the
@@ -489,14 +495,17 @@ def _read_items(stash, wstash, packing, slot, wslot) -> dict:
 
 
 def _write_items(stash, wstash, packing, new, valid, slot, wslot, after):
-    """I's outputs for W written into its stash slot (where `_pack` put them) and its wstash slot."""
-    wstash = {key: buf.at[wslot].set(jnp.where(valid, after(new[key]), buf[wslot])) for key, buf in wstash.items()}
-    stash = list(stash)
-    for key, (i, off, _) in packing.items():
-        upd = after(new[key]).reshape(1, -1)
-        old = jax.lax.dynamic_slice(stash[i], (slot, off), upd.shape)
-        stash[i] = jax.lax.dynamic_update_slice(stash[i], jnp.where(valid, upd, old), (slot, off))
-    return tuple(stash), wstash
+    """I's outputs for W written into its stash slot (where `_pack` put them) and its wstash slot.
+    (Under a cond, not as a select with the slot's old contents: reading those, XLA copied every
+    packed stash buffer twice per tick.)"""
+    def write(bufs):
+        stash, wstash = list(bufs[0]), dict(bufs[1])
+        for key, (i, off, _) in packing.items():
+            stash[i] = jax.lax.dynamic_update_slice(stash[i], after(new[key]).reshape(1, -1), (slot, off))
+        wstash = {key: buf.at[wslot].set(after(new[key])) for key, buf in wstash.items()}
+        return tuple(stash), wstash
+
+    return jax.lax.cond(valid, write, lambda bufs: bufs, (tuple(stash), wstash))
 
 
 def _gather_stage(w: jax.Array, dim: int | None) -> jax.Array:
