@@ -2,6 +2,7 @@
 win, that a flag the installed jaxlib does not register is refused before anything runs, and what
 the CLI prints."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -118,6 +119,31 @@ def test_apply_appends_to_xla_flags_and_keeps_what_is_there(monkeypatch):
     assert len(choice.added) == len(GPU_PRESET) - 1 and "all_gather_combine" not in " ".join(choice.added)
     # Applied twice (the CLI, then train()), nothing is added again.
     assert xla_flags.apply(load_config(None, [])).added == ()
+
+
+def test_a_preset_that_comes_too_late_is_warned_about(monkeypatch, caplog):
+    """After JAX started its backend, XLA_FLAGS is read no more: the auto preset is dropped with a
+    warning (not silently), and a string of flags is refused."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setattr(xla_flags, "expected_backend", lambda cfg: "gpu")
+    monkeypatch.setattr(xla_flags, "installed_flags", lambda: LEGACY)
+    monkeypatch.setattr(xla_flags, "jaxlib_version", lambda: (0, 10, 2))
+    monkeypatch.setattr(xla_flags, "_backend_started", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="jaxpar"):
+        choice = xla_flags.apply(load_config(None, []))
+    assert choice.added == () and "not applied" in choice.describe()
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot be applied: JAX's backend had already started" in warnings[0], warnings
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in warnings[0]
+    with pytest.raises(ConfigError, match="cannot be applied: JAX already started its backend"):
+        xla_flags.apply(load_config(None, ["runtime.xla_flags=--xla_dump_to=/tmp/d"]))
+    # Nothing to add (the flags are in XLA_FLAGS already, or the backend is a CPU): no warning.
+    caplog.clear()
+    monkeypatch.setattr(xla_flags, "expected_backend", lambda cfg: "cpu")
+    with caplog.at_level(logging.WARNING, logger="jaxpar"):
+        assert xla_flags.apply(load_config(None, [])).added == ()
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("value, expected", [
