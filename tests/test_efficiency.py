@@ -173,3 +173,17 @@ def test_the_evaluated_step_keeps_its_device_time(tiny, tmp_path, monkeypatch):
     assert [r["step"] for r in history] == [1, 2] and "val_loss" in history[1]
     evaluated = history[1]
     assert evaluated["device_wait_s"] >= DELAY and evaluated["step_time_s"] >= DELAY, evaluated
+
+
+def test_cli_refuses_tensorboard_without_tensorboardx_before_printing(tmp_path, monkeypatch, capsys):
+    """The CLI's pre-checks: one `error:` line, exit 2, before the summary and before anything is written."""
+    from jaxpar.train.__main__ import main
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails as if not installed
+    monkeypatch.chdir(tmp_path)
+    assert main(["--set", "train.tensorboard=true",
+                 "--set", f"train.run_dir={tmp_path / 'run'}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out
+    assert captured.err.startswith("error: train.tensorboard = true needs the tensorboardX package")
+    assert captured.err.count("\n") == 1 and list(tmp_path.iterdir()) == []
