@@ -59,7 +59,10 @@ def test_device_arguments_fall_by_the_moments_bytes(tiny, zero, master):
     off, on = got["none"], got["optimizer"]
     assert off.host_argument_bytes == 0
     assert on.host_argument_bytes == opt, (on, opt)
-    assert on.argument_bytes == off.argument_bytes  # XLA:CPU counts host arguments among its arguments
+    if jax.default_backend() == "cpu":
+        # XLA:CPU's accounting, not the feature's: it counts the host arguments among its
+        # arguments (other backends may not), so the total is unchanged only there.
+        assert on.argument_bytes == off.argument_bytes
     assert (off.argument_bytes - off.host_argument_bytes) - (on.argument_bytes - on.host_argument_bytes) == opt
 
 
