@@ -21,11 +21,14 @@ _REF = {}
 
 
 @pytest.mark.parametrize("arch, mesh, par", [
+    ("llama", (8, 1, 1), dict(zero=0)),
     ("llama", (8, 1, 1), dict(zero=1)),
     ("gpt2", (4, 1, 2), dict(zero=3, zero_min_elements=0, microbatches=2)),
     ("llama", (2, 2, 2), dict(zero=2, schedule="1f1b", microbatches=2)),
 ])
 def test_offloaded_optimizer_matches_single_device(tiny, arch, mesh, par):
+    """Every ZeRO stage (float32 parameters); with float32 master weights: tests/test_master_weights.py
+    (its `offload` layout, at its bf16 tolerances: bf16 runs cannot match one device exactly)."""
     cfg = tiny(arch, mesh=dict(zip(("data", "stage", "model"), mesh)), parallel=dict(offload="optimizer", **par))
     if arch not in _REF:
         _REF[arch] = run_reference(cfg.replace(parallel={"offload": "none", "schedule": "1f1b"}))
