@@ -101,6 +101,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--only", default=None, help="run only cases whose name contains this")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    from jaxpar.config import load_config
+    from jaxpar.xla_flags import apply as apply_xla_flags
+
+    # Before the backend starts: the cases run with the flags training gets (no preset sets
+    # runtime.xla_flags, so its default, auto).
+    xla = apply_xla_flags(load_config(None, []))
+    print(f"xla     {xla.describe()}", flush=True)
     import jax
 
     measured = matmul_tflops()
@@ -123,7 +130,7 @@ def main(argv: list[str]) -> int:
                   f"mem args {r['memory_bytes']['arguments'] / 2**30:.2f} GiB temp "
                   f"{r['memory_bytes']['temp'] / 2**30:.2f} GiB, compile {r['compile_s']:.0f} s", flush=True)
     out = {"machine": machine_info(), "datasheet_bf16_tflops": args.peak_tflops,
-           "measured_matmul_bf16_tflops": measured, "cases": results, "command": sys.argv,
+           "measured_matmul_bf16_tflops": measured, "xla_flags": xla.describe(), "cases": results, "command": sys.argv,
            "timing": "each step timed alone, dispatch to block_until_ready; batches prebuilt"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -31,7 +31,12 @@ CASES = {
 
 
 def run(args) -> int:
-    from jaxpar.config import from_dict
+    from jaxpar.config import from_dict, load_config
+    from jaxpar.xla_flags import apply as apply_xla_flags
+
+    # Before the backend starts: compiled with the flags training gets (runtime.xla_flags' default, auto).
+    xla = apply_xla_flags(load_config(None, []))
+    print(f"xla     {xla.describe()}", flush=True)
     from jaxpar.inspect import analyze
     from jaxpar.costs import Roofline, memory, model_flops_per_token, step_time
     from jaxpar.plan_presets import HARDWARE, MODELS
@@ -65,7 +70,8 @@ def run(args) -> int:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "memory_predicted"}), flush=True)
     Path(args.out).write_text(json.dumps({"machine": machine_info(), "hardware_preset": args.hardware,
-                                          "efficiency": args.efficiency, "rows": rows}, indent=1))
+                                          "efficiency": args.efficiency, "xla_flags": xla.describe(),
+                                          "rows": rows}, indent=1))
     return 0
 
 

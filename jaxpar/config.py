@@ -551,7 +551,8 @@ def validate(cfg: Config) -> None:
              "(e.g. 989 for an H100 SXM in bf16), or null to look it up.")
     from jaxpar.xla_flags import syntax_error  # stdlib only; imported here, as it imports this module
 
-    _require(syntax_error(rt.xla_flags) is None, syntax_error(rt.xla_flags) or "")
+    flags_error = syntax_error(rt.xla_flags)
+    _require(flags_error is None, flags_error or "")
     given = {k: getattr(rt, k) for k in ("coordinator", "num_processes", "process_id")}
     _require(all(v is None for v in given.values()) or all(v is not None for v in given.values()),
              "runtime.coordinator, runtime.num_processes and runtime.process_id go together, but only "

@@ -562,7 +562,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.set)
         from jaxpar.mesh import use_cpu_devices
-        use_cpu_devices(config.runtime.cpu_devices, config)  # before anything starts a JAX backend
+        from jaxpar.xla_flags import apply as apply_xla_flags
+        # Before anything starts a JAX backend: the collectives compile as training's do.
+        xla = apply_xla_flags(config)
+        use_cpu_devices(config.runtime.cpu_devices, config)
         from jaxpar.train import lower_step
         compiled, mesh = lower_step(config)
     except JaxparError as e:  # a mistake the user can fix (ConfigError and kin): no traceback
@@ -570,6 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     report = analyze(compiled, mesh)
     if args.json:
+        print(f"xla {xla.describe()}", file=sys.stderr)  # stdout holds the JSON alone
         print(json.dumps(report.to_dict()))
         return 0
     from rich.console import Console
@@ -577,6 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not console.is_terminal:  # piped to a file or a pager: room for the op names
         console = Console(soft_wrap=True, width=200)
     mib = {k: v / 2**20 for k, v in dataclasses.asdict(report.memory).items()}
+    console.print(f"xla {xla.describe()}", highlight=False)
     console.print(f"mesh {dict(mesh.shape)}; memory per device: "
                   + ", ".join(f"{k.removesuffix('_bytes')} {v:.2f} MiB" for k, v in mib.items()))
     console.print(report.table())

@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import logging
 import mmap
 import os
 import pkgutil
@@ -30,6 +31,7 @@ from jaxpar.config import Config, ConfigError
 FLAG_TOKEN = re.compile(r"--(xla_[a-z0-9_]+)(?:=(\S*))?")
 """One flag as XLA_FLAGS spells it: `--name=value`, or `--name` (a boolean set true)."""
 _REGISTERED = re.compile(rb"\x00(xla_[a-z0-9_]+)(?=\x00)")
+log = logging.getLogger("jaxpar")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,8 +268,8 @@ def _backend_started() -> bool:
 
 def apply(cfg: Config) -> Choice:
     """Resolve runtime.xla_flags and append its flags to os.environ["XLA_FLAGS"]; before JAX
-    starts a backend (after, flags not yet in XLA_FLAGS cannot be applied: auto notes it, a string
-    is refused)."""
+    starts a backend (after, flags not yet in XLA_FLAGS cannot be applied: auto logs a warning and
+    notes it, a string is refused)."""
     setting = cfg.runtime.xla_flags
     backend = expected_backend(cfg)
     needs_scan = setting not in ("auto", "none") or backend == "gpu"
@@ -278,6 +280,9 @@ def apply(cfg: Config) -> Choice:
             raise ConfigError(
                 f"runtime.xla_flags = {setting!r} cannot be applied: JAX already started its backend (XLA reads "
                 "XLA_FLAGS once, when it starts); set it before anything touches JAX, or put the flags in XLA_FLAGS.")
+        log.warning("runtime.xla_flags = auto: the preset's %s cannot be applied: JAX's backend had already "
+                    "started (XLA reads XLA_FLAGS once, when it starts); set XLA_FLAGS before anything touches JAX",
+                    " ".join(choice.added))
         choice = dataclasses.replace(choice, added=(), note="not applied: JAX's backend had already started")
     if choice.added:
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *choice.added]).strip()

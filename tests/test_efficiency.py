@@ -118,3 +118,72 @@ def test_tensorboard_without_tensorboardx_is_refused_before_anything_is_written(
     with pytest.raises(ConfigError, match="needs the tensorboardX package, which is not installed"):
         train(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_evaluated_step_keeps_its_device_time(tiny, tmp_path, monkeypatch):
+    """An evaluation starts while the step before it may still run on the devices: the time left of
+    that step is the step's (device_wait_s, in step_time_s), not the evaluation's (taken out of
+    step_time_s), else the evaluated step reports inflated tokens/s and MFU. Here every step's new
+    parameters become ready only after a host-side sleep of DELAY seconds (a callback in a jitted
+    function, which runs asynchronously on the 8 CPU devices): step 2's parameters are ready no
+    sooner than 2 * DELAY after step 1 was dispatched, shortly before step 1 is recorded, so the
+    evaluated step 2 waits at least DELAY for them (without the wait, its step time is ~0)."""
+    import dataclasses
+    import time
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpar.train import loop
+
+    DELAY = 0.5
+
+    def sleep(loss):
+        time.sleep(DELAY)
+        return np.float32(0)
+
+    @jax.jit
+    def delayed(params, loss):
+        zero = jax.pure_callback(sleep, jax.ShapeDtypeStruct((), jnp.float32), loss)
+        return jax.tree.map(lambda x: x + zero.astype(x.dtype), params)
+
+    class SlowStep:
+        def __init__(self, step):
+            self.step = step
+
+        def lower(self, *args):
+            compiled = self.step.lower(*args).compile()
+
+            def run(state, batch):
+                state, metrics = compiled(state, batch)
+                return state._replace(params=delayed(state.params, metrics["loss"])), metrics
+            return types.SimpleNamespace(compile=lambda: run)
+
+    def build(cfg, mesh=None):
+        program = real_build(cfg, mesh)
+        return dataclasses.replace(program, step=SlowStep(program.step))
+
+    real_build = loop.build
+    monkeypatch.setattr(loop, "build", build)
+    cfg = tiny(train={"steps": 2, "log_every": 1, "eval_every": 2, "eval_batches": 1,
+                      "run_dir": str(tmp_path / "run")})
+    history = train(cfg)
+    assert [r["step"] for r in history] == [1, 2] and "val_loss" in history[1]
+    evaluated = history[1]
+    assert evaluated["device_wait_s"] >= DELAY and evaluated["step_time_s"] >= DELAY, evaluated
+
+
+def test_cli_refuses_tensorboard_without_tensorboardx_before_printing(tmp_path, monkeypatch, capsys):
+    """The CLI's pre-checks: one `error:` line, exit 2, before the summary and before anything is written."""
+    from jaxpar.train.__main__ import main
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails as if not installed
+    monkeypatch.chdir(tmp_path)
+    assert main(["--set", "train.tensorboard=true",
+                 "--set", f"train.run_dir={tmp_path / 'run'}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out
+    assert captured.err.startswith("error: train.tensorboard = true needs the tensorboardX package")
+    assert captured.err.count("\n") == 1 and list(tmp_path.iterdir()) == []

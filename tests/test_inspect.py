@@ -268,3 +268,24 @@ def test_host_argument_bytes_are_the_entry_parameters_in_memory_space_5():
            "bf16[8]{0:S(5)}, s32[])->(f32[512,256]{1,0:S(5)})}\n")
     assert host_argument_bytes(hlo) == 512 * 256 * 4 + 8 * 2
     assert host_argument_bytes("HloModule m, entry_computation_layout={(f32[4]{0})->f32[4]{0}}") == 0
+
+
+def test_cli_applies_runtime_xla_flags_before_compiling(tmp_path):
+    """`python -m jaxpar.inspect` compiles with the flags training gets (runtime.xla_flags, in a
+    fresh process before the backend starts) and prints them: here --xla_dump_to, whose dump
+    shows that XLA read it."""
+    import os
+    import subprocess
+    import sys
+
+    dump = tmp_path / "dump"
+    sets = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.vocab_size=64",
+            "model.seq_len=16", "train.global_batch=8", "runtime.cpu_devices=8", f"runtime.xla_flags=--xla_dump_to={dump}"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.inspect", *[a for s in sets for a in ("--set", s)]],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = next((s for s in proc.stdout.splitlines() if s.startswith("xla ")), None)
+    assert line is not None and f"--xla_dump_to={dump}" in line, proc.stdout
+    assert dump.is_dir() and any(dump.iterdir()), "XLA did not read the flag"

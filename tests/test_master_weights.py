@@ -61,6 +61,8 @@ LAYOUTS = {
     "8x1x1-zero3": dict(mesh=(8, 1, 1), zero=3),
     "8x1x1-zero1-m2": dict(mesh=(8, 1, 1), zero=1, microbatches=2),
     "2x2x2-zero1-1f1b-sp": dict(mesh=(2, 2, 2), zero=1, microbatches=2, sequence_parallel=True),
+    # ZeRO-Offload: the master and Adam's moments in pinned host memory between steps.
+    "8x1x1-zero1-offload": dict(mesh=(8, 1, 1), zero=1, offload="optimizer"),
 }
 
 

@@ -21,11 +21,14 @@ _REF = {}
 
 
 @pytest.mark.parametrize("arch, mesh, par", [
+    ("llama", (8, 1, 1), dict(zero=0)),
     ("llama", (8, 1, 1), dict(zero=1)),
     ("gpt2", (4, 1, 2), dict(zero=3, zero_min_elements=0, microbatches=2)),
     ("llama", (2, 2, 2), dict(zero=2, schedule="1f1b", microbatches=2)),
 ])
 def test_offloaded_optimizer_matches_single_device(tiny, arch, mesh, par):
+    """Every ZeRO stage (float32 parameters); with float32 master weights: tests/test_master_weights.py
+    (its `offload` layout, at its bf16 tolerances: bf16 runs cannot match one device exactly)."""
     cfg = tiny(arch, mesh=dict(zip(("data", "stage", "model"), mesh)), parallel=dict(offload="optimizer", **par))
     if arch not in _REF:
         _REF[arch] = run_reference(cfg.replace(parallel={"offload": "none", "schedule": "1f1b"}))
@@ -59,7 +62,10 @@ def test_device_arguments_fall_by_the_moments_bytes(tiny, zero, master):
     off, on = got["none"], got["optimizer"]
     assert off.host_argument_bytes == 0
     assert on.host_argument_bytes == opt, (on, opt)
-    assert on.argument_bytes == off.argument_bytes  # XLA:CPU counts host arguments among its arguments
+    if jax.default_backend() == "cpu":
+        # XLA:CPU's accounting, not the feature's: it counts the host arguments among its
+        # arguments (other backends may not), so the total is unchanged only there.
+        assert on.argument_bytes == off.argument_bytes
     assert (off.argument_bytes - off.host_argument_bytes) - (on.argument_bytes - on.host_argument_bytes) == opt
 
 

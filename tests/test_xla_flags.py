@@ -2,6 +2,7 @@
 win, that a flag the installed jaxlib does not register is refused before anything runs, and what
 the CLI prints."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -100,7 +101,11 @@ def test_the_preset_fits_the_installed_jaxlib():
     """Every preset setting has a spelling the installed jaxlib registers (else update GPU_PRESET),
     and a removed flag whose proto field survives is not taken for a flag."""
     known = xla_flags.installed_flags()
-    assert {"xla_force_host_platform_device_count", "xla_cpu_enable_concurrency_optimized_scheduler"} <= known
+    # The scan finds the flag jaxpar itself sets: jaxpar.mesh.use_cpu_devices passes
+    # CPU_SCHEDULER_FLAG, so a jaxlib that lacks it breaks the project anyway (XLA aborts on an
+    # unknown flag), whatever this test says: update jaxpar.mesh with it.
+    (needed, _), = xla_flags.parse(CPU_SCHEDULER_FLAG)
+    assert needed in known, needed
     assert "xla_gpu_enable_pipelined_collectives" not in known
     choice = resolve("auto", "gpu", xla_flags.jaxlib_version(), known, "")
     assert len(choice.added) == len(GPU_PRESET) and choice.missing == (), choice.describe()
@@ -118,6 +123,31 @@ def test_apply_appends_to_xla_flags_and_keeps_what_is_there(monkeypatch):
     assert len(choice.added) == len(GPU_PRESET) - 1 and "all_gather_combine" not in " ".join(choice.added)
     # Applied twice (the CLI, then train()), nothing is added again.
     assert xla_flags.apply(load_config(None, [])).added == ()
+
+
+def test_a_preset_that_comes_too_late_is_warned_about(monkeypatch, caplog):
+    """After JAX started its backend, XLA_FLAGS is read no more: the auto preset is dropped with a
+    warning (not silently), and a string of flags is refused."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setattr(xla_flags, "expected_backend", lambda cfg: "gpu")
+    monkeypatch.setattr(xla_flags, "installed_flags", lambda: LEGACY)
+    monkeypatch.setattr(xla_flags, "jaxlib_version", lambda: (0, 10, 2))
+    monkeypatch.setattr(xla_flags, "_backend_started", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="jaxpar"):
+        choice = xla_flags.apply(load_config(None, []))
+    assert choice.added == () and "not applied" in choice.describe()
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot be applied: JAX's backend had already started" in warnings[0], warnings
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in warnings[0]
+    with pytest.raises(ConfigError, match="cannot be applied: JAX already started its backend"):
+        xla_flags.apply(load_config(None, ["runtime.xla_flags=--xla_dump_to=/tmp/d"]))
+    # Nothing to add (the flags are in XLA_FLAGS already, or the backend is a CPU): no warning.
+    caplog.clear()
+    monkeypatch.setattr(xla_flags, "expected_backend", lambda cfg: "cpu")
+    with caplog.at_level(logging.WARNING, logger="jaxpar"):
+        assert xla_flags.apply(load_config(None, [])).added == ()
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -143,17 +173,25 @@ def test_unknown_flag_exits_2_before_anything_runs(tmp_path, monkeypatch, capsys
 
 
 def test_cli_prints_the_flags_it_set_and_the_ones_it_kept(tmp_path):
-    """A fresh process: the flags reach XLA_FLAGS before the backend starts, the user's win."""
+    """A fresh process: the flags reach XLA_FLAGS before the backend starts, the user's win. The
+    flags come from what the installed jaxlib registers (dump flags: harmless, and visible):
+    `xla_dump_to` is in every XLA that installed_flags reads."""
+    known = xla_flags.installed_flags()
+    assert "xla_dump_to" in known
+    extra = next((f for f in ("xla_dump_hlo_as_text", "xla_dump_hlo_as_proto") if f in known), None)
+    if extra is None:
+        pytest.skip("the installed jaxlib registers neither xla_dump_hlo_as_text nor xla_dump_hlo_as_proto")
+    mine, theirs = tmp_path / "config_dump", tmp_path / "env_dump"
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_enable_fast_math=false")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 --xla_dump_to={theirs}")
     args = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.vocab_size=64",
             "model.seq_len=16", "train.steps=1", "train.global_batch=8", "runtime.cpu_devices=8",
-            f"train.run_dir={tmp_path / 'run'}",
-            "runtime.xla_flags=--xla_cpu_enable_fast_math=true --xla_cpu_use_thunk_runtime=true"]
+            f"train.run_dir={tmp_path / 'run'}", f"runtime.xla_flags=--xla_dump_to={mine} --{extra}=true"]
     proc = subprocess.run([sys.executable, "-m", "jaxpar.train", *[a for s in args for a in ("--set", s)]],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     line = next((s for s in proc.stdout.splitlines() if s.startswith("xla ")), None)
     assert line is not None, proc.stdout
-    assert "--xla_cpu_use_thunk_runtime=true" in line, line
-    assert "kept from XLA_FLAGS: --xla_cpu_enable_fast_math=false" in line, line
+    assert f"--{extra}=true" in line, line
+    assert f"kept from XLA_FLAGS: --xla_dump_to={theirs}" in line, line
+    assert theirs.is_dir() and any(theirs.iterdir()) and not mine.exists()  # XLA read the user's flag

@@ -83,10 +83,12 @@ def main(argv=None) -> int:
 
         from jaxpar.train import efficiency
         from jaxpar.train.data import make_source
-        from jaxpar.train.loop import TrainingStopped, check_run_dir, train
+        from jaxpar.train.loop import TrainingStopped, _tensorboard_writer, check_run_dir, train
 
         # User errors surface before the summary and before anything is written.
         check_run_dir(cfg)
+        if cfg.train.tensorboard:
+            _tensorboard_writer()  # tensorboardX installed (train() checks again, for API callers)
         make_source(cfg)
         mesh = make_mesh(cfg)
         is_main = jax.process_index() == 0

@@ -234,10 +234,12 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
     # Host seconds since the last record: building batches, dispatching steps, blocked on the devices.
     spent = {"data": 0.0, "dispatch": 0.0, "wait": 0.0}
 
-    def wait(x):
-        """`x` on the host; the time blocked counts as waiting for the devices."""
+    def wait(x, fetch: bool = True):
+        """`x` on the host (`fetch=False`: only ready); the time blocked counts as waiting for the devices."""
         t0 = time.perf_counter()
-        out = jax.device_get(jax.block_until_ready(x))
+        out = jax.block_until_ready(x)
+        if fetch:
+            out = jax.device_get(out)
         spent["wait"] += time.perf_counter() - t0
         return out
 
@@ -307,6 +309,9 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
                 log_now = done % tr.log_every == 0 or is_last or k == first
                 extra = {}
                 if evaluate is not None and (done % tr.eval_every == 0 or is_last):
+                    # The step just dispatched may still run: its remaining device time is the
+                    # step's (device_wait_s), not the evaluation's (taken out of step_time_s).
+                    wait((state, metrics), fetch=False)
                     extra = evaluate(state.params)
                 if extra:  # record this step now, with its evaluation
                     if tr.on_nan == "stop" and int(wait(metrics["skipped_steps"])) > 0:
