@@ -346,8 +346,6 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                 zero_w = lambda: {k_: zeros_like_varying(g_blocks[k_][0]) for k_ in taps}  # noqa: E731
                 if table.rows["b_valid"].any():
                     g_blocks = add(g_blocks, jax.lax.cond(bv > 0, lambda: weight_grads(d_taps), zero_w), bk)
-                # (W's inputs are sliced out here, not inside the cond: a buffer that is a cond's
-                # operand and written later in the tick is copied whole by XLA, every tick.)
                 got = _read_items(stash, wstash, packing, row["w_stash"][stage], row["w_wstash"][stage])
 
                 def run_w(acc):  # (accumulated inside the cond: idle ticks touch no accumulator)
