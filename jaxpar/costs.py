@@ -48,12 +48,37 @@ def check(cfg: Config, shape: tuple[int, int, int]) -> None:
 
 
 def _layout(cfg: Config, shape):
-    mesh = abstract_mesh(shape)
-    return make_layout(cfg, mesh, model.param_names(cfg.model), model.param_shapes(cfg.model)), mesh
+    found = _layout_of(_state_key(cfg), tuple(shape))
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def _state_key(cfg: Config) -> Config:
+    """`cfg` with the choices the ZeRO layout and the stored state do not read set to defaults, so
+    that the planner's candidates that differ only in them share one layout (the schedule,
+    microbatches, remat; `make_layout` reads the model, the ZeRO stage, its threshold and the mesh)."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, microbatches=1, remat="none", schedule="1f1b", virtual_stages=1, stage_layers=None))
 
 
 @functools.lru_cache(maxsize=4096)
+def _layout_of(cfg: Config, shape):
+    from jaxpar.config import ConfigError
+    mesh = abstract_mesh(shape)
+    try:
+        return make_layout(cfg, mesh, model.param_names(cfg.model), model.param_shapes(cfg.model)), mesh
+    except ConfigError as e:  # refusals cached too: the planner asks again for each variant
+        return e
+
+
 def model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
+    """`_model_state`, shared by configs that differ only in what the layout does not read."""
+    return _model_state(_state_key(cfg), tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     """Per-device bytes of the stored state and of its parts that collectives move:
     params / grads / optimizer (jaxpar.parallel.zero.state_bytes), `local` (the parameters after
     tensor and pipeline splitting, before ZeRO), `sharded` (of `local`, the leaves ZeRO shards
@@ -642,6 +667,16 @@ class Roofline:
         d, p, t = shape
         span = {"model": t, "stage": t * p, "data": d * p * t}[axis]
         return self.hardware.intra_node_bw if span <= self.hardware.node_size else self.hardware.inter_node_bw
+
+
+def compute_floor(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> float:
+    """A floor under `step_time`: the compute of one device with no bubble and no exposed traffic
+    (what the planner visits candidates by, and prunes with)."""
+    d, p, t = shape
+    m = cfg.model
+    hw = roof.hardware
+    peak = (hw.peak_flops if m.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32) * roof.compute_efficiency
+    return hardware_flops_per_token(cfg, p) * cfg.train.global_batch * m.seq_len / (d * p * t) / peak
 
 
 def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[str, float]:

@@ -83,6 +83,10 @@ MODELS = {
     "llama-405b": ("Llama-3.1-405B shape", _model("llama", 126, 16384, 128, 53248, 128256, 8192, K=8,
                                                   theta=500000.0, batch=2048)),
     "gpt3-175b": ("GPT-3 175B", _model("gpt2", 96, 12288, 96, 49152, 50257, 2048, batch=1536)),
+    # Megatron-LM's 530B configuration (Narayanan et al. 2021, table 1; the MT-NLG shape): 105
+    # layers, hidden 20480, 128 heads, vocabulary 51200, 2048 tokens, batch 2520.
+    "gpt-530b": ("530B-parameter GPT (Megatron-LM's / MT-NLG's shape)", _model("gpt2", 105, 20480, 128, 81920, 51200,
+                                                                             2048, batch=2520)),
     # Megatron-LM's 1T configuration (Narayanan et al. 2021, table 1): 128 layers, hidden 25600,
     # 160 heads. Its 126 layers would not split over power-of-two pipelines; 128 do.
     "gpt-1t": ("1T-parameter GPT (Megatron-LM's 1T shape)", _model("gpt2", 128, 25600, 160, 102400, 51200, 2048,

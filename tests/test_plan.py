@@ -177,6 +177,51 @@ def test_every_ranked_configuration_passes_jaxpar_validation(tiny_plan):
     assert times == sorted(times) and all(e.fits for e in result.ranked)
 
 
+def test_pruned_plan_ranks_its_first_rows_as_the_exhaustive_one():
+    import dataclasses
+
+    # Links so fast that compute decides, so that the floor prunes.
+    cfg = load_config("configs/tiny_llama.yaml")
+    hw = dataclasses.replace(HARDWARE["h100-80gb"], intra_node_bw=1e16)
+    full = plan(cfg, 8, Roofline(hw, 0.5, 8), "cpu")
+    pruned = plan(cfg, 8, Roofline(hw, 0.5, 8), "cpu", keep=5)
+    assert pruned.pruned["slower"] > 0, pruned.pruned  # something was skipped, or this proves nothing
+    assert sum(pruned.pruned.values()) > 0  # something was skipped, or this proves nothing
+    key = lambda e: (e.shape, e.cfg.parallel, e.cfg.train.master_weights)  # noqa: E731
+    assert [e.time["total"] for e in pruned.ranked[:5]] == [e.time["total"] for e in full.ranked[:5]]
+    assert {key(e) for e in pruned.ranked[:5]} <= {key(e) for e in full.ranked}
+
+
+def test_megatron_530b_layout_is_a_fitting_candidate():
+    """Megatron-LM trained its 530B GPT on 2520 A100-80GB as t = 8, p = 35, d = 9 with 280
+    microbatches of one sequence (Narayanan et al. 2021, table 1): a divisor, not a power of two."""
+    from jaxpar.costs import check
+    from jaxpar.plan import candidates, estimate
+
+    cfg = from_dict(MODELS["gpt-530b"][1])
+    wanted = dict(zero=1, sequence_parallel=True, remat="full", schedule="1f1b", microbatches=280)
+    found = [(c, s) for c, s in candidates(cfg, 2520, 8) if s == (9, 35, 8) and c.train.master_weights == "none"
+             and all(getattr(c.parallel, k) == v for k, v in wanted.items())]
+    assert len(found) == 1, found
+    c, shape = found[0]
+    check(c, shape)  # jaxpar's own validation accepts it
+    est = estimate(c, shape, Roofline(HARDWARE["a100-80gb"], 0.5, 2520))
+    assert est.fits, est.memory
+
+
+def test_stage_counts_that_do_not_divide_the_layers_are_candidates_refused_in_numbers():
+    from jaxpar.config import ConfigError
+    from jaxpar.costs import check
+    from jaxpar.plan import candidates, stage_split
+
+    assert stage_split(10, 4) == (2, 3, 3, 2) and stage_split(8, 4) is None
+    cfg = small(L=6, mesh=(1, 1, 1))
+    uneven = [(c, s) for c, s in candidates(cfg, 4, 8) if s[1] == 4]
+    assert uneven and all(c.parallel.stage_layers == (1, 2, 2, 1) for c, _ in uneven)
+    with pytest.raises(ConfigError, match="model.n_layers = 6 must be divisible by mesh.stage = 4"):
+        check(*uneven[0])
+
+
 def test_json_has_the_documented_keys(capsys):
     code = main(["--config", "configs/tiny_llama.yaml", "--devices", "8", "--platform", "cpu", "--json"])
     assert code == 0
