@@ -573,6 +573,7 @@ def validate(cfg: Config) -> None:
              f"(got {par.schedule}); set the schedule or parallel.virtual_stages=1.")
 
 
+@functools.lru_cache(maxsize=1024)  # (evaluated for a refusal's message, on every check)
 def _nearest_divisor(n: int, near: int) -> int:
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     return min(divisors, key=lambda k: (abs(k - near), k))

@@ -383,8 +383,12 @@ def _parser():
     ap.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per device at the compute dtype")
     ap.add_argument("--intra-node-bw", type=float, help="GB/s one device sends in one direction inside a node")
     ap.add_argument("--inter-node-bw", type=float, help="GB/s one device sends in one direction across nodes")
-    ap.add_argument("--compute-efficiency", type=float, default=0.5,
-                    help="fraction of the peak the matmuls reach (default 0.5)")
+    ap.add_argument("--compute-efficiency", type=float,
+                    help="charge every FLOP at this fraction of the dense peak, overriding the compute model "
+                         "(default: the model calibrated on jaxpar's H200 steps, by matmul sizes and attention kernel)")
+    ap.add_argument("--collective-matmul", action="store_true",
+                    help="assume XLA's windowed einsum overlaps forward tensor-parallel collectives with their "
+                         "matmuls (jaxpar does not set its flags: off by default)")
     ap.add_argument("--global-batch", type=int, help="sequences per step (default: the config's or preset's)")
     ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's or preset's)")
     ap.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
@@ -418,7 +422,7 @@ def _inputs(args):
                         ("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} {value:g} must be positive; give a number above zero.")
-    if not 0 < args.compute_efficiency <= 1:
+    if args.compute_efficiency is not None and not 0 < args.compute_efficiency <= 1:
         raise ConfigError(f"--compute-efficiency {args.compute_efficiency:g} must lie in (0, 1]; e.g. 0.5.")
     node = args.node_size or hw.node_size
     if args.devices > node and args.devices % node:
@@ -441,7 +445,7 @@ def _inputs(args):
         cfg = cfg.replace(**over)
     # The planner chooses the layout: what the file says about it is a starting point only.
     cfg = cfg.replace(runtime={"cpu_devices": cfg.runtime.cpu_devices if args.platform == "cpu" else None})
-    return cfg, Roofline(hw, args.compute_efficiency, args.devices)
+    return cfg, Roofline(hw, args.compute_efficiency, args.devices, args.collective_matmul)
 
 
 def main(argv=None) -> int:
@@ -523,10 +527,14 @@ def _print_report(cfg, roof, args, result) -> None:
         f"{model_flops_per_token(cfg) * tokens:.3g} (6N + 12·L·d·S per token)\n"
         f"cluster {args.devices} x {hw.name}, {_human(hw.memory_bytes)} each, {hw.node_size} per node; peak "
         f"{(hw.peak_flops if m.dtype != 'float32' else hw.peak_flops_fp32) / 1e12:g} TFLOP/s at {m.dtype}, "
-        f"compute at {roof.compute_efficiency:.0%} of it; links {hw.intra_node_bw / 1e9:g} GB/s in a node, "
+        + (f"compute at {roof.compute_efficiency:.0%} of it" if roof.compute_efficiency is not None else
+           f"compute by matmul sizes and attention kernel (H200-calibrated), HBM {hw.hbm_bw / 1e12:g} TB/s")
+        + f"; links {hw.intra_node_bw / 1e9:g} GB/s in a node, "
         f"{hw.inter_node_bw / 1e9:g} GB/s across (per device, per direction)\n"
-        f"overlap tensor- and pipeline-parallel traffic exposed; data-axis traffic inside the layer scan hidden "
-        f"behind compute, after the loops exposed; bubble from the schedule simulator",
+        f"overlap per layer: forward tensor-parallel collectives exposed"
+        + (" past their matmuls (collective matmul)" if roof.collective_matmul else "")
+        + ", backward ones past the weight-gradient matmul; data-axis traffic in the layer scan beside the "
+        f"next layer's compute, after the loops exposed; pipeline sends exposed; bubble from the schedule simulator",
         highlight=False)
     shown = result.ranked[:args.top]
     console.print(_table(shown, f"{len(result.ranked)} layouts fit, fastest first "

@@ -27,20 +27,22 @@ class Hardware:
     """InfiniBand bytes/s per GPU in one direction (one NIC per GPU)."""
     node_size: int = 8
     """GPUs per node (one NVLink domain)."""
+    hbm_bw: float = 2.0e12
+    """HBM bytes/s (the datasheet's memory bandwidth): what the memory-bound parts of a step run at."""
 
 
 GB = 10**9
 
 HARDWARE = {
     # NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 156 TF32 dense, NVLink 3 600 GB/s bidirectional,
-    # HDR InfiniBand 200 Gb/s per GPU.
-    "a100-40gb": Hardware("A100-SXM4-40GB", 40 * GB, 312e12, 156e12, 300e9, 25e9),
-    "a100-80gb": Hardware("A100-SXM4-80GB", 80 * GB, 312e12, 156e12, 300e9, 25e9),
+    # HDR InfiniBand 200 Gb/s per GPU, HBM 1555 GB/s (40GB) and 2039 GB/s (80GB).
+    "a100-40gb": Hardware("A100-SXM4-40GB", 40 * GB, 312e12, 156e12, 300e9, 25e9, hbm_bw=1555e9),
+    "a100-80gb": Hardware("A100-SXM4-80GB", 80 * GB, 312e12, 156e12, 300e9, 25e9, hbm_bw=2039e9),
     # NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), 494 TF32 dense,
-    # NVLink 4 900 GB/s bidirectional, NDR InfiniBand 400 Gb/s per GPU.
-    "h100-80gb": Hardware("H100-SXM5-80GB", 80 * GB, 989e12, 494e12, 450e9, 50e9),
-    # NVIDIA H200 SXM datasheet: H100's compute and NVLink, 141 GB HBM3e.
-    "h200-141gb": Hardware("H200-SXM-141GB", 141 * GB, 989e12, 494e12, 450e9, 50e9),
+    # NVLink 4 900 GB/s bidirectional, NDR InfiniBand 400 Gb/s per GPU, HBM3 3.35 TB/s.
+    "h100-80gb": Hardware("H100-SXM5-80GB", 80 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=3.35e12),
+    # NVIDIA H200 SXM datasheet: H100's compute and NVLink, 141 GB HBM3e at 4.8 TB/s.
+    "h200-141gb": Hardware("H200-SXM-141GB", 141 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=4.8e12),
 }
 
 
