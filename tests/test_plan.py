@@ -369,3 +369,18 @@ def test_matmul_efficiency_grows_with_the_per_device_gemm():
     thin = roof.efficiency(cfg.replace(parallel={"microbatches": 8}), (1, 1, 8))
     assert 0.2 < thin < wide < MATMUL_EFFICIENCY, (thin, wide)
     assert Roofline(HARDWARE["h100-80gb"], 0.5, 8).efficiency(cfg, (8, 1, 1)) == 0.5  # the override
+
+
+def test_overlap_hides_backward_collectives_and_collective_matmul_the_forward_ones():
+    from jaxpar.costs import collectives, step_time
+
+    cfg = from_dict(MODELS["llama-7b"][1]).replace(mesh={"data": 1, "stage": 1, "model": 8},
+                                                     train={"global_batch": 8})
+    shape, hw = (1, 1, 8), HARDWARE["h100-80gb"]
+    plain = step_time(cfg, shape, Roofline(hw, devices=8))
+    overlapped = step_time(cfg, shape, Roofline(hw, devices=8, collective_matmul=True))
+    # Every tensor-parallel collective on the wire, none overlapped: the all-or-nothing charge.
+    wire = sum(c.wire(8) / hw.intra_node_bw for c in collectives(cfg, shape) if c.axes == ("model",))
+    assert 0 < overlapped["model_comm"] < plain["model_comm"] < wire, (overlapped, plain, wire)
+    # Forward and backward collectives are half each (remat none): the backward half hides.
+    assert plain["model_comm"] == pytest.approx(wire / 2, rel=0.05)
