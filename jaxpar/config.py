@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -573,6 +574,7 @@ def validate(cfg: Config) -> None:
              f"(got {par.schedule}); set the schedule or parallel.virtual_stages=1.")
 
 
+@functools.lru_cache(maxsize=1024)  # (evaluated for a refusal's message, on every check)
 def _nearest_divisor(n: int, near: int) -> int:
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     return min(divisors, key=lambda k: (abs(k - near), k))
@@ -651,12 +653,22 @@ def check_stage_axis(cfg: Config, p: int) -> None:
              f"model.n_layers = {m.n_layers} cannot be split evenly into mesh.stage x parallel.virtual_stages "
              f"= {p} x {par.virtual_stages} = {chunks} pipeline chunks; choose n_layers as a multiple of {chunks}, "
              f"or give parallel.stage_layers.")
+    problem = _schedule_problem(par.schedule, p, par.microbatches, par.virtual_stages)
+    if problem:
+        raise ConfigError(problem)
+
+
+@functools.lru_cache(maxsize=8192)
+def _schedule_problem(name: str, p: int, m: int, v: int) -> str | None:
+    """Why the schedule table cannot be built, or None (cached: the planner validates thousands of
+    configs that share a table, and building one of p x m actions is not free)."""
     from jaxpar.parallel.schedules import ScheduleError, build  # pure Python: builds and checks the table
 
     try:
-        build(par.schedule, p, par.microbatches, par.virtual_stages)
+        build(name, p, m, v)
     except ScheduleError as e:
-        raise ConfigError(str(e)) from None
+        return str(e)
+    return None
 
 
 def check_batch(cfg: Config, data: int) -> None:

@@ -48,12 +48,37 @@ def check(cfg: Config, shape: tuple[int, int, int]) -> None:
 
 
 def _layout(cfg: Config, shape):
-    mesh = abstract_mesh(shape)
-    return make_layout(cfg, mesh, model.param_names(cfg.model), model.param_shapes(cfg.model)), mesh
+    found = _layout_of(_state_key(cfg), tuple(shape))
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def _state_key(cfg: Config) -> Config:
+    """`cfg` with the choices the ZeRO layout and the stored state do not read set to defaults, so
+    that the planner's candidates that differ only in them share one layout (the schedule,
+    microbatches, remat; `make_layout` reads the model, the ZeRO stage, its threshold and the mesh)."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, microbatches=1, remat="none", schedule="1f1b", virtual_stages=1, stage_layers=None))
 
 
 @functools.lru_cache(maxsize=4096)
+def _layout_of(cfg: Config, shape):
+    from jaxpar.config import ConfigError
+    mesh = abstract_mesh(shape)
+    try:
+        return make_layout(cfg, mesh, model.param_names(cfg.model), model.param_shapes(cfg.model)), mesh
+    except ConfigError as e:  # refusals cached too: the planner asks again for each variant
+        return e
+
+
 def model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
+    """`_model_state`, shared by configs that differ only in what the layout does not read."""
+    return _model_state(_state_key(cfg), tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     """Per-device bytes of the stored state and of its parts that collectives move:
     params / grads / optimizer (jaxpar.parallel.zero.state_bytes), `local` (the parameters after
     tensor and pipeline splitting, before ZeRO), `sharded` (of `local`, the leaves ZeRO shards
@@ -260,10 +285,14 @@ def _schedule(cfg: Config, p: int):
 
 @functools.lru_cache(maxsize=512)
 def _cached_schedule(name: str, p: int, m: int, v: int):
-    from jaxpar.parallel.pipeline import table_of
+    from jaxpar.parallel.pipeline import Table
     from jaxpar.parallel.schedules import build
     sched = build(name, p, m, v)
-    return sched, table_of(sched)
+    # `pipeline.table_of` without its full validation of the table (jaxpar's own builders, tested
+    # in test_schedules; a third of the planner's time on 1024 devices): the slot counts only.
+    counts = sched.slot_counts()
+    return sched, Table(rows={}, chunks=sched.virtual_stages, stash=counts["stash"], fwd_slots=counts["fwd"],
+                        bwd_slots=counts["bwd"], wstash=counts["wstash"], split=sched.split)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -602,11 +631,16 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
 # FLOPs and the roofline step time.
 
 
+@functools.lru_cache(maxsize=256)
+def _count_params(mcfg, embeddings: bool) -> int:
+    return model.count_params(mcfg, embeddings=embeddings)  # (builds the parameter shapes: cached)
+
+
 def model_flops_per_token(cfg: Config) -> float:
     """6·N + 12·L·d_attn·S (DESIGN.md §6.1): N the non-embedding parameters, d_attn = n_heads x
     head_dim (d_model unless head_dim is set), causal attention not halved."""
     m = cfg.model
-    return 6 * model.count_params(m, embeddings=False) + 12 * m.n_layers * m.n_heads * m.head_size * m.seq_len
+    return 6 * _count_params(m, False) + 12 * m.n_layers * m.n_heads * m.head_size * m.seq_len
 
 
 def hardware_flops_per_token(cfg: Config, p: int) -> float:
@@ -617,7 +651,7 @@ def hardware_flops_per_token(cfg: Config, p: int) -> float:
     (up and gate, not down: 2·L·D·F each). A pipeline adds nothing: B (or I and W) runs from what
     F saved."""
     m, remat = cfg.model, cfg.parallel.remat
-    n = model.count_params(m, embeddings=False)
+    n = _count_params(m, False)
     attn_fwd = 4 * m.n_layers * m.n_heads * m.head_size * m.seq_len
     total = model_flops_per_token(cfg) + (6 * m.d_model * m.padded_vocab if m.tied else 0)
     forward = 2 * n + attn_fwd
@@ -626,14 +660,78 @@ def hardware_flops_per_token(cfg: Config, p: int) -> float:
                     "dots_except_mlp": attn_fwd + mlp_in}[remat]
 
 
+# The compute model, calibrated on jaxpar's own steps on one H200 (`benchmarks/plan_calibrate.py`;
+# README, "Planning a run"): a step's compute is the sum of its parts, each at the rate of what
+# bounds it. `matmul`: the weight matmuls at their FLOPs over the measured large-matmul rate (782
+# of 989 TFLOP/s, benchmarks/results/gpu_h200.json) plus their operands and results through HBM,
+# so that a small per-device GEMM (a thin microbatch, a wide tensor-parallel split) runs further
+# from the peak; `flash`: cuDNN's attention kernel, its FLOPs over the dense peak (fitted: the
+# seconds per FLOP at peak); `scores`: XLA's attention, its float32 [seq, seq] scores through HBM
+# (fitted: passes); `elementwise`: norms, residuals and activation functions, HBM passes over each
+# layer's [tokens, d_model + d_ff/t] values (fitted); `layer_pass`: seconds per layer pass (kernel
+# launches, the scan's bookkeeping; fitted); `head`: the float32 logits, 4 passes; `optimizer`:
+# Adam's update reading and writing the stored state once.
+MATMUL_EFFICIENCY = 782.2 / 989.0
+CALIBRATION = {"flash": 2.85, "scores": 6.6, "elementwise": 13.2, "layer_pass": 7.34e-5}
+
+
+def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dict[str, float]:
+    """The parts of one device's compute in a step, each in seconds at coefficient 1 (`CALIBRATION`
+    weighs the fitted ones): the device's layers (n_layers / p) for every microbatch at its
+    per-device shapes (rows = global_batch / (data x microbatches) sequences, tensor-parallel
+    dims divided by t), the head and loss (a 1/p share with a pipeline) and the optimizer update."""
+    d, p, t = shape
+    m, par = cfg.model, cfg.parallel
+    peak = hw.peak_flops if m.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32
+    act = _BYTES[m.dtype]
+    rows = cfg.train.global_batch // (d * par.microbatches)
+    M, S, D, F, hd = rows * m.seq_len, m.seq_len, m.d_model, m.d_ff, m.head_size
+    H, K = m.n_heads // t, (m.kv_heads // t if m.kv_heads % t == 0 else m.kv_heads)
+    gemm_units = 3 + (par.remat == "full")  # forward, the two backward matmuls, a recomputed forward
+    again = par.remat != "none"  # every policy recomputes attention's core and the elementwise work
+    if m.arch == "llama":
+        shapes = [(D, (H + 2 * K) * hd), (H * hd, D), (D, 2 * F // t), (F // t, D)]
+    else:
+        shapes = [(D, 3 * H * hd), (H * hd, D), (D, F // t), (F // t, D)]
+
+    def gemm(k, n, units):
+        return units * (2 * M * k * n / (MATMUL_EFFICIENCY * peak) + (M * k + k * n + M * n) * act / hw.hbm_bw)
+
+    V = m.padded_vocab // t
+    layers, micro = m.n_layers / p, par.microbatches
+    core = 4 * rows * S * S * H * hd * (3 + again)
+    flash = uses_flash_attention(cfg, "gpu")
+    st = model_state(cfg, shape)
+    return {
+        "matmul": micro * (layers * sum(gemm(k, n, gemm_units) for k, n in shapes) + gemm(D, V, 3) / p),
+        "flash": micro * layers * core / peak if flash else 0.0,
+        "scores": 0.0 if flash else micro * layers * (3 + again) * rows * H * S * S * 4 / hw.hbm_bw,
+        "elementwise": micro * layers * (3 + again) * M * (D + F // t) * act / hw.hbm_bw,
+        "layer_pass": micro * layers * (3 + again),
+        "head": micro * 4 * M * V * 4 / hw.hbm_bw / p,
+        "optimizer": (2 * st["params"] + st["grads"] + 2 * st["optimizer"]) / hw.hbm_bw,
+    }
+
+
+def compute_seconds(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> float:
+    """One device's compute time in a step, no bubble: `compute_terms` weighed by `CALIBRATION`."""
+    return sum(v * CALIBRATION.get(k, 1.0) for k, v in compute_terms(cfg, shape, hw).items())
+
+
 @dataclasses.dataclass(frozen=True)
 class Roofline:
     """The stated assumptions of the step-time model."""
 
     hardware: Hardware
-    compute_efficiency: float = 0.5
-    """Fraction of the dense peak the matmuls reach (all FLOPs are charged at it)."""
+    compute_efficiency: float | None = None
+    """Fraction of the dense peak all FLOPs are charged at; None: the compute model
+    (`compute_seconds`) decides it for each layout."""
     devices: int = 8
+    collective_matmul: bool = False
+    """Whether XLA's windowed einsum overlaps each forward tensor-parallel collective with the
+    matmul it feeds (`--xla_gpu_threshold_for_windowed_einsum_mib`, with
+    `--xla_gpu_multi_streamed_windowed_einsum`: registered by jaxlib 0.10.2; jaxpar's GPU flags do
+    not set them, so off by default)."""
 
     def bandwidth(self, axis: str, shape: tuple[int, int, int]) -> float:
         """Per-direction bytes/s of one device on `axis`: devices are laid out with `model`
@@ -643,24 +741,54 @@ class Roofline:
         span = {"model": t, "stage": t * p, "data": d * p * t}[axis]
         return self.hardware.intra_node_bw if span <= self.hardware.node_size else self.hardware.inter_node_bw
 
+    def efficiency(self, cfg: Config, shape: tuple[int, int, int]) -> float:
+        """The fraction of the dense peak this layout's FLOPs run at: the override, or the compute
+        model's hardware FLOPs over its time."""
+        if self.compute_efficiency is not None:
+            return self.compute_efficiency
+        d, p, t = shape
+        m, hw = cfg.model, self.hardware
+        peak = hw.peak_flops if m.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32
+        flops = hardware_flops_per_token(cfg, p) * cfg.train.global_batch * m.seq_len / (d * p * t)
+        return flops / (peak * compute_seconds(cfg, shape, hw))
+
+
+def compute_floor(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> float:
+    """A floor under `step_time`: the compute of one device with no bubble and no exposed traffic
+    (what the planner visits candidates by, and prunes with)."""
+    d, p, t = shape
+    m, hw = cfg.model, roof.hardware
+    if roof.compute_efficiency is None:  # (less the optimizer's update, which the ZeRO stage changes)
+        terms = compute_terms(cfg, shape, hw)
+        return sum(v * CALIBRATION.get(k, 1.0) for k, v in terms.items() if k != "optimizer")
+    peak = (hw.peak_flops if m.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32) * roof.compute_efficiency
+    return hardware_flops_per_token(cfg, p) * cfg.train.global_batch * m.seq_len / (d * p * t) / peak
+
 
 def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[str, float]:
     """Predicted seconds per step, by part:
 
-    - compute: the hardware FLOPs of each device at `compute_efficiency` of the dense peak (bf16
-      peak for bf16/fp16 compute, TF32 for float32); with a pipeline, the schedule's simulated time
-      (each tick takes its slowest stage; F and B of a microbatch at their FLOPs), bubble included.
-    - model / stage traffic: on the critical path (tensor-parallel collectives sit between the
-      matmuls that need them; the lock-step pipeline sends after each tick's compute).
+    - compute: the hardware FLOPs of each device at `Roofline.efficiency` of the dense peak (the
+      compute model's, or the stated override; bf16 peak for bf16/fp16 compute, TF32 for float32);
+      with a pipeline, the schedule's simulated time (each tick takes its slowest stage; F and B
+      of a microbatch at their FLOPs), bubble included.
+    - model traffic, per layer as the compiled program can overlap it (XLA's latency-hiding
+      scheduler, which jaxpar enables on GPU): a forward collective sits between the matmuls that
+      need it, exposed; a backward one (the activation gradient's) runs beside the same
+      sub-layer's weight-gradient matmul, which does not need it, exposed only past that matmul's
+      time; with `Roofline.collective_matmul` (XLA's windowed einsum) the forward ones hide behind
+      the matmuls they feed likewise. The last layer's has nothing after it to hide behind.
+    - stage traffic: exposed (the lock-step pipeline sends after each tick's compute).
     - data traffic: collectives inside the layer scan (ZeRO-0/1's per-layer gradient all-reduce,
-      ZeRO-3's gathers and reduce-scatters) overlap the compute, only their excess over it is
-      exposed; reductions after a microbatch or tick loop and the all-gather of updated
-      parameters are exposed.
+      ZeRO-3's gathers and reduce-scatters) run beside the next layer's compute, exposed past it
+      and for the last layer; reductions after a microbatch or tick loop and the all-gather of
+      updated parameters are exposed.
     """
     d, p, t = shape
     m, par = cfg.model, cfg.parallel
     hw = roof.hardware
-    peak = (hw.peak_flops if m.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32) * roof.compute_efficiency
+    efficiency = roof.efficiency(cfg, shape)
+    peak = (hw.peak_flops if m.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32) * efficiency
     tokens = cfg.train.global_batch * m.seq_len
     flops = hardware_flops_per_token(cfg, p) * tokens / (d * p * t)
     bubble = 0.0
@@ -687,7 +815,19 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[
             hidden += seconds
         else:
             exposed[axis] += seconds
-    exposed["data"] += max(0.0, hidden - compute)
+    busy = flops / peak  # the compute without the bubble: what a collective can run beside
+    layers = max(1.0, m.n_layers / p)
+    exposed["data"] += max(hidden / layers, hidden - busy)
+    if t > 1:
+        # Of the weight matmuls (2N FLOPs per token each way), what a collective can overlap: the
+        # forward's (one per forward pass) and the weight gradient's.
+        share = 2 * _count_params(m, False) / hardware_flops_per_token(cfg, p)
+        forwards = 1 + (par.remat == "full")
+        backward = exposed["model"] / (1 + forwards)
+        forward = exposed["model"] - backward
+        if roof.collective_matmul:
+            forward = max(forward / layers, forward - busy * share * forwards)
+        exposed["model"] = forward + max(backward / layers, backward - busy * share)
     total = compute + sum(exposed.values())
     return {"compute": compute, "bubble_fraction": bubble, **{f"{k}_comm": v for k, v in exposed.items()},
             "total": total}

@@ -17,7 +17,8 @@ import jax
 
 from jaxpar import model
 from jaxpar.config import Config, ConfigError, JaxparError
-from jaxpar.costs import _BYTES, Roofline, bytes_per_axis, check, memory, model_flops_per_token, step_time
+from jaxpar.costs import (_BYTES, Roofline, bytes_per_axis, check, compute_floor, memory, model_flops_per_token,
+                          step_time)
 from jaxpar.mesh import AXES
 
 
@@ -59,16 +60,27 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidates(cfg: Config, devices: int, node_size: int):
-    """Every (config, mesh shape) to consider on `devices` devices: each (data, stage, model) whose
-    product is `devices` with the model axis inside a node, each ZeRO stage, remat policy,
-    sequence parallelism (with a model axis), schedule (with a stage axis; interleaved with 2
-    chunks per stage), power-of-two microbatch count (at least p with a pipeline) and, with 16-bit
-    parameters, a float32 master copy or none (`train.master_weights`)."""
+_REMATS = ("none", "dots", "full")  # by memory saved: a policy later in the list saves at least as much
+
+
+def stage_split(n_layers: int, p: int) -> tuple[int, ...] | None:
+    """Layers per stage for p stages: None when p divides n_layers (the even split); otherwise the
+    remainder one each on the middle stages first (the end stages also run the embedding and the
+    head), as `parallel.stage_layers`."""
+    if n_layers % p == 0 or n_layers < p:
+        return None
+    counts = [n_layers // p] * p
+    for i in ([*range(1, p - 1), 0, p - 1])[:n_layers % p]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+def _groups(cfg: Config, devices: int, node_size: int):
+    """(data, stage, model), microbatch count and stage split of every candidate group: each
+    (data, stage, model) whose product is `devices` with the model axis inside a node and data
+    dividing the batch, every divisor of the replica batch as the microbatch count (at least p with
+    a pipeline), the stage split of `stage_split`."""
     B = cfg.train.global_batch
-    # With 16-bit parameters, with and without a float32 master copy (train.master_weights); float32
-    # parameters are their own master (the config's dtypes are the user's, not the planner's).
-    masters = ("none", "float32") if cfg.model.param_dtype != "float32" else ("none",)
     for t in _divisors(devices):
         if t > node_size:
             continue
@@ -76,57 +88,143 @@ def candidates(cfg: Config, devices: int, node_size: int):
             d = devices // (t * p)
             if B % d:
                 continue
-            per_data = B // d
-            micro = [k for k in (2**i for i in range(12)) if per_data % k == 0 and k >= (p if p > 1 else 1)]
-            schedules = [("1f1b", 1)] if p == 1 else [("1f1b", 1), ("zb_h1", 1), ("gpipe", 1), ("1f1b_one_action", 1),
-                                                      ("interleaved_1f1b", 2)]
-            for zero in (0, 1, 2, 3):
-                if d == 1 and zero:
-                    continue  # nothing to shard over data
-                for sp in ((False, True) if t > 1 else (False,)):
-                    for remat in ("none", "dots", "full"):
-                        for schedule, v in schedules:
-                            for m in micro:
-                                for master in masters:
-                                    # dataclasses.replace, not Config.replace: these values have the
-                                    # fields' types already, and re-parsing 10^4 configs is slow.
-                                    yield dataclasses.replace(
-                                        cfg, mesh=dataclasses.replace(cfg.mesh, data=d, stage=p, model=t),
-                                        parallel=dataclasses.replace(
-                                            cfg.parallel, zero=zero, sequence_parallel=sp, remat=remat,
-                                            schedule=schedule, virtual_stages=v, microbatches=m,
-                                            stage_layers=None),
-                                        train=dataclasses.replace(cfg.train, master_weights=master)), (d, p, t)
+            split = stage_split(cfg.model.n_layers, p)
+            for m in _divisors(B // d):
+                if p == 1 or m >= p:
+                    yield (d, p, t), m, split
+
+
+def _variants(cfg: Config, shape: tuple[int, int, int], split):
+    """The ZeRO stage, sequence parallelism (with a model axis), schedule (with a stage axis;
+    interleaved with 2 chunks per stage, where the stages are even) and, with 16-bit parameters, a
+    float32 master copy or none (`train.master_weights`) of one candidate group."""
+    d, p, t = shape
+    masters = ("none", "float32") if cfg.model.param_dtype != "float32" else ("none",)
+    schedules = [("1f1b", 1)] if p == 1 else [("1f1b", 1), ("zb_h1", 1), ("gpipe", 1), ("1f1b_one_action", 1)]
+    if p > 1 and split is None:
+        schedules.append(("interleaved_1f1b", 2))
+    for zero in (0, 1, 2, 3):
+        if d == 1 and zero:
+            continue  # nothing to shard over data
+        for sp in ((False, True) if t > 1 else (False,)):
+            for schedule, v in schedules:
+                for master in masters:
+                    yield zero, sp, schedule, v, master
+
+
+def _candidate(cfg: Config, shape, m, remat, split, zero, sp, schedule, v, master) -> Config:
+    d, p, t = shape
+    # dataclasses.replace, not Config.replace: these values have the fields' types already, and
+    # re-parsing 10^4 configs is slow.
+    return dataclasses.replace(
+        cfg, mesh=dataclasses.replace(cfg.mesh, data=d, stage=p, model=t),
+        parallel=dataclasses.replace(cfg.parallel, zero=zero, sequence_parallel=sp, remat=remat, schedule=schedule,
+                                     virtual_stages=v, microbatches=m, stage_layers=split),
+        train=dataclasses.replace(cfg.train, master_weights=master))
+
+
+def candidates(cfg: Config, devices: int, node_size: int):
+    """Every (config, mesh shape) to consider on `devices` devices: each (data, stage, model) whose
+    product is `devices` with the model axis inside a node, every stage count (those that do not
+    divide the layers with `parallel.stage_layers`, `stage_split`), each ZeRO stage, remat policy,
+    sequence parallelism (with a model axis), schedule (with a stage axis; interleaved with 2
+    chunks per stage), every microbatch count that divides the replica batch (at least p with a
+    pipeline) and, with 16-bit parameters, a float32 master copy or none."""
+    for shape, m, split in _groups(cfg, devices, node_size):
+        for remat in _REMATS:
+            for variant in _variants(cfg, shape, split):
+                yield _candidate(cfg, shape, m, remat, split, *variant), shape
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Ranked estimates of the configurations that fit, the best of those that do not, and why
-    the others were refused."""
+    """Ranked estimates of the configurations that fit, the best of those that do not, why
+    the others were refused, and how many were pruned unestimated."""
 
     ranked: list[Estimate]
     too_big: list[Estimate]
     refused: dict[str, int]  # the first sentence of each ConfigError -> how many candidates
+    pruned: dict[str, int] = dataclasses.field(default_factory=dict)
+    """'slower': candidates whose compute alone is slower than the `keep`-th fastest that fits;
+    'bigger': those that need at least the memory of one found not to fit (the same layout with
+    less remat, no SP or fewer microbatches)."""
 
 
-def plan(cfg: Config, devices: int, roof: Roofline, platform: str = "gpu") -> Plan:
+def plan(cfg: Config, devices: int, roof: Roofline, platform: str = "gpu", keep: int | None = None) -> Plan:
     """Enumerate `candidates`, keep those jaxpar's validation accepts, estimate each, rank those
-    that fit by predicted step time (and the others by memory)."""
+    that fit by predicted step time (and the others by memory).
+
+    Candidates are visited by a floor on their step time (`compute_floor`: the compute alone,
+    without bubble or traffic). With `keep`, once `keep` layouts fit, a candidate whose floor is
+    above the `keep`-th best time cannot enter the first `keep` rows and is not estimated, so the
+    first `keep` rows are exact. Always, a candidate that needs at least the memory of one that
+    did not fit (the same layout and ZeRO stage with less remat, SP off where it was on, or fewer
+    microbatches) is not estimated."""
+    import heapq
+
     fits, too_big, refused = [], [], {}
-    for cand, shape in candidates(cfg, devices, roof.hardware.node_size):
-        try:
-            _check_cached(cand, shape)
-        except ConfigError as e:
-            reason = str(e).split(";")[0]
-            refused[reason] = refused.get(reason, 0) + 1
-            continue
-        est = estimate(cand, shape, roof, platform)
-        (fits if est.fits else too_big).append(est)
+    pruned = {"slower": 0, "bigger": 0}
+    # A group is a (data, stage, model) with a microbatch count; its remat policies are visited
+    # from the one that saves the most memory, so that one found too big prunes the others.
+    groups = []
+    for shape, m, split in _groups(cfg, devices, roof.hardware.node_size):
+        floors = {remat: _floor(cfg, shape, m, remat, roof) for remat in _REMATS}
+        groups.append((min(floors.values()), shape, m, split, floors))
+    groups.sort(key=lambda g: (g[0], g[1], g[2]))
+    best: list[float] = []  # max-heap (negated) of the `keep` best times that fit
+    failed: dict[tuple, list[tuple[int, int, int]]] = {}
+
+    def slower(floor):
+        return keep and len(best) >= keep and floor > -best[0]
+
+    for i, (floor, shape, m, split, floors) in enumerate(groups):
+        if slower(floor):  # (the groups that follow have higher floors still)
+            pruned["slower"] += sum(len(_REMATS) * len(list(_variants(cfg, g[1], g[3]))) for g in groups[i:])
+            break
+        p = shape[1]
+        for r in reversed(range(len(_REMATS))):
+            remat = _REMATS[r]
+            variants = list(_variants(cfg, shape, split))
+            if slower(floors[remat]):
+                pruned["slower"] += len(variants)
+                continue
+            for zero, sp, schedule, v, master in variants:
+                key = (shape, zero, schedule, v, master)
+                # Memory falls (or stays) with more remat, with SP and with more microbatches (fewer
+                # rows each; without a pipeline only from 2 on: one microbatch has no accumulator).
+                if any(sp2 >= sp and r2 >= r and m2 >= m and (p > 1 or m >= 2 or m2 == m)
+                       for sp2, r2, m2 in failed.get(key, ())):
+                    pruned["bigger"] += 1
+                    continue
+                cand = _candidate(cfg, shape, m, remat, split, zero, sp, schedule, v, master)
+                try:
+                    _check_cached(cand, shape)
+                except ConfigError as e:
+                    reason = str(e).split(";")[0]
+                    refused[reason] = refused.get(reason, 0) + 1
+                    continue
+                est = estimate(cand, shape, roof, platform)
+                if est.fits:
+                    fits.append(est)
+                    if keep:
+                        heapq.heappush(best, -est.time["total"])
+                        if len(best) > keep:
+                            heapq.heappop(best)
+                else:
+                    too_big.append(est)
+                    failed.setdefault(key, []).append((sp, r, m))
     # Times equal to 3 significant digits are ties (the model is not finer than that); ties go to
     # the layout that moves fewer bytes, then to the one with more memory to spare.
     fits.sort(key=lambda e: (float(f"{e.time['total']:.3g}"), sum(e.bytes_per_step.values()), e.memory["total"]))
     too_big.sort(key=lambda e: e.memory["total"])
-    return Plan(fits, too_big, refused)
+    return Plan(fits, too_big, refused, pruned)
+
+
+def _floor(cfg: Config, shape, m: int, remat: str, roof: Roofline) -> float:
+    """`compute_floor` of a candidate group (the other choices do not change it)."""
+    c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, remat=remat, microbatches=m,
+                                                              stage_layers=None, virtual_stages=1))
+    return compute_floor(c, shape, roof)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -285,8 +383,12 @@ def _parser():
     ap.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s per device at the compute dtype")
     ap.add_argument("--intra-node-bw", type=float, help="GB/s one device sends in one direction inside a node")
     ap.add_argument("--inter-node-bw", type=float, help="GB/s one device sends in one direction across nodes")
-    ap.add_argument("--compute-efficiency", type=float, default=0.5,
-                    help="fraction of the peak the matmuls reach (default 0.5)")
+    ap.add_argument("--compute-efficiency", type=float,
+                    help="charge every FLOP at this fraction of the dense peak, overriding the compute model "
+                         "(default: the model calibrated on jaxpar's H200 steps, by matmul sizes and attention kernel)")
+    ap.add_argument("--collective-matmul", action="store_true",
+                    help="assume XLA's windowed einsum overlaps forward tensor-parallel collectives with their "
+                         "matmuls (jaxpar does not set its flags: off by default)")
     ap.add_argument("--global-batch", type=int, help="sequences per step (default: the config's or preset's)")
     ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's or preset's)")
     ap.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
@@ -320,7 +422,7 @@ def _inputs(args):
                         ("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} {value:g} must be positive; give a number above zero.")
-    if not 0 < args.compute_efficiency <= 1:
+    if args.compute_efficiency is not None and not 0 < args.compute_efficiency <= 1:
         raise ConfigError(f"--compute-efficiency {args.compute_efficiency:g} must lie in (0, 1]; e.g. 0.5.")
     node = args.node_size or hw.node_size
     if args.devices > node and args.devices % node:
@@ -343,7 +445,7 @@ def _inputs(args):
         cfg = cfg.replace(**over)
     # The planner chooses the layout: what the file says about it is a starting point only.
     cfg = cfg.replace(runtime={"cpu_devices": cfg.runtime.cpu_devices if args.platform == "cpu" else None})
-    return cfg, Roofline(hw, args.compute_efficiency, args.devices)
+    return cfg, Roofline(hw, args.compute_efficiency, args.devices, args.collective_matmul)
 
 
 def main(argv=None) -> int:
@@ -356,7 +458,7 @@ def main(argv=None) -> int:
         cfg, roof = _inputs(args)
         if args.memory_wall and not args.json:
             _print_wall(cfg, args, roof)
-        result = plan(cfg, args.devices, roof, args.platform)
+        result = plan(cfg, args.devices, roof, args.platform, keep=args.top)
         if not result.ranked:
             if result.too_big:
                 best = result.too_big[0]
@@ -425,15 +527,21 @@ def _print_report(cfg, roof, args, result) -> None:
         f"{model_flops_per_token(cfg) * tokens:.3g} (6N + 12·L·d·S per token)\n"
         f"cluster {args.devices} x {hw.name}, {_human(hw.memory_bytes)} each, {hw.node_size} per node; peak "
         f"{(hw.peak_flops if m.dtype != 'float32' else hw.peak_flops_fp32) / 1e12:g} TFLOP/s at {m.dtype}, "
-        f"compute at {roof.compute_efficiency:.0%} of it; links {hw.intra_node_bw / 1e9:g} GB/s in a node, "
+        + (f"compute at {roof.compute_efficiency:.0%} of it" if roof.compute_efficiency is not None else
+           f"compute by matmul sizes and attention kernel (H200-calibrated), HBM {hw.hbm_bw / 1e12:g} TB/s")
+        + f"; links {hw.intra_node_bw / 1e9:g} GB/s in a node, "
         f"{hw.inter_node_bw / 1e9:g} GB/s across (per device, per direction)\n"
-        f"overlap tensor- and pipeline-parallel traffic exposed; data-axis traffic inside the layer scan hidden "
-        f"behind compute, after the loops exposed; bubble from the schedule simulator",
+        f"overlap per layer: forward tensor-parallel collectives exposed"
+        + (" past their matmuls (collective matmul)" if roof.collective_matmul else "")
+        + ", backward ones past the weight-gradient matmul; data-axis traffic in the layer scan beside the "
+        f"next layer's compute, after the loops exposed; pipeline sends exposed; bubble from the schedule simulator",
         highlight=False)
     shown = result.ranked[:args.top]
     console.print(_table(shown, f"{len(result.ranked)} layouts fit, fastest first "
                                 f"({len(result.too_big)} do not fit; {sum(result.refused.values())} refused by "
-                                f"jaxpar's validation)"))
+                                f"jaxpar's validation; not estimated: {result.pruned.get('slower', 0)} slower "
+                                f"than #{args.top} in compute alone, {result.pruned.get('bigger', 0)} bigger "
+                                f"than one that does not fit)"))
     if result.refused:
         console.print("refused, by reason: " + "; ".join(
             f"{k} ({v})" for k, v in sorted(result.refused.items(), key=lambda kv: -kv[1])[:5]), highlight=False)

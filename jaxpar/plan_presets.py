@@ -27,20 +27,22 @@ class Hardware:
     """InfiniBand bytes/s per GPU in one direction (one NIC per GPU)."""
     node_size: int = 8
     """GPUs per node (one NVLink domain)."""
+    hbm_bw: float = 2.0e12
+    """HBM bytes/s (the datasheet's memory bandwidth): what the memory-bound parts of a step run at."""
 
 
 GB = 10**9
 
 HARDWARE = {
     # NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 156 TF32 dense, NVLink 3 600 GB/s bidirectional,
-    # HDR InfiniBand 200 Gb/s per GPU.
-    "a100-40gb": Hardware("A100-SXM4-40GB", 40 * GB, 312e12, 156e12, 300e9, 25e9),
-    "a100-80gb": Hardware("A100-SXM4-80GB", 80 * GB, 312e12, 156e12, 300e9, 25e9),
+    # HDR InfiniBand 200 Gb/s per GPU, HBM 1555 GB/s (40GB) and 2039 GB/s (80GB).
+    "a100-40gb": Hardware("A100-SXM4-40GB", 40 * GB, 312e12, 156e12, 300e9, 25e9, hbm_bw=1555e9),
+    "a100-80gb": Hardware("A100-SXM4-80GB", 80 * GB, 312e12, 156e12, 300e9, 25e9, hbm_bw=2039e9),
     # NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), 494 TF32 dense,
-    # NVLink 4 900 GB/s bidirectional, NDR InfiniBand 400 Gb/s per GPU.
-    "h100-80gb": Hardware("H100-SXM5-80GB", 80 * GB, 989e12, 494e12, 450e9, 50e9),
-    # NVIDIA H200 SXM datasheet: H100's compute and NVLink, 141 GB HBM3e.
-    "h200-141gb": Hardware("H200-SXM-141GB", 141 * GB, 989e12, 494e12, 450e9, 50e9),
+    # NVLink 4 900 GB/s bidirectional, NDR InfiniBand 400 Gb/s per GPU, HBM3 3.35 TB/s.
+    "h100-80gb": Hardware("H100-SXM5-80GB", 80 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=3.35e12),
+    # NVIDIA H200 SXM datasheet: H100's compute and NVLink, 141 GB HBM3e at 4.8 TB/s.
+    "h200-141gb": Hardware("H200-SXM-141GB", 141 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=4.8e12),
 }
 
 
@@ -83,6 +85,10 @@ MODELS = {
     "llama-405b": ("Llama-3.1-405B shape", _model("llama", 126, 16384, 128, 53248, 128256, 8192, K=8,
                                                   theta=500000.0, batch=2048)),
     "gpt3-175b": ("GPT-3 175B", _model("gpt2", 96, 12288, 96, 49152, 50257, 2048, batch=1536)),
+    # Megatron-LM's 530B configuration (Narayanan et al. 2021, table 1; the MT-NLG shape): 105
+    # layers, hidden 20480, 128 heads, vocabulary 51200, 2048 tokens, batch 2520.
+    "gpt-530b": ("530B-parameter GPT (Megatron-LM's / MT-NLG's shape)", _model("gpt2", 105, 20480, 128, 81920, 51200,
+                                                                             2048, batch=2520)),
     # Megatron-LM's 1T configuration (Narayanan et al. 2021, table 1): 128 layers, hidden 25600,
     # 160 heads. Its 126 layers would not split over power-of-two pipelines; 128 do.
     "gpt-1t": ("1T-parameter GPT (Megatron-LM's 1T shape)", _model("gpt2", 128, 25600, 160, 102400, 51200, 2048,
