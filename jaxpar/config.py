@@ -94,6 +94,35 @@ class ModelConfig:
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     """Attention kernel: auto (cuDNN's fused kernel on GPU when shapes and dtypes allow, else XLA),
     xla (the reference einsum-softmax path), cudnn (fail if cuDNN cannot run it)."""
+    n_experts: int = 0
+    """Mixture of experts: routed experts per MLP (0: a dense MLP, the default). Every layer's MLP
+    becomes an MoE layer (`jaxpar.model.moe`, DESIGN.md §11); llama architecture only."""
+    experts_per_token: int = 2
+    """MoE: experts each token is routed to (top-k; Mixtral 2, Qwen3-MoE 8)."""
+    expert_d_ff: int | None = None
+    """MoE: hidden width of one expert's SwiGLU MLP; null means d_ff."""
+    n_shared_experts: int = 0
+    """MoE: experts every token passes through besides its routed ones (DeepSeek / Qwen style),
+    computed as one SwiGLU MLP of width n_shared_experts x expert_d_ff."""
+    router: Literal["softmax", "sigmoid_bias"] = "softmax"
+    """MoE router: softmax (softmax over experts, then top-k; Mixtral, Qwen3-MoE) or sigmoid_bias
+    (sigmoid scores; top-k chosen on score + a per-expert bias that is not trained by the gradient
+    but moved by router_bias_rate after each step towards equal load: DeepSeek-V3's
+    auxiliary-loss-free balancing)."""
+    router_norm_topk: bool = True
+    """MoE: divide each token's top-k weights by their sum (Mixtral, Qwen3-MoE, DeepSeek-V3)."""
+    router_aux_loss: float = 0.01
+    """MoE: coefficient of the load-balancing loss (Switch / GShard form, per sequence:
+    n_experts x sum_e load_e x mean probability_e), averaged over sequences and summed over layers."""
+    router_z_loss: float = 0.0
+    """MoE: coefficient of the router z-loss (ST-MoE: mean over tokens of logsumexp(logits)^2)."""
+    router_bias_rate: float = 0.001
+    """MoE, router sigmoid_bias: each step, every expert's bias moves by this much towards equal
+    load (up if the expert took fewer tokens than the mean, down if more)."""
+    capacity_factor: float | None = None
+    """MoE: null is dropless (every token reaches its k experts). A number c caps each expert at
+    ceil(c x seq_len x k / n_experts) tokens per sequence (a group that does not depend on the
+    mesh); assignments beyond it are dropped (top-1 choices first, then by position: Switch)."""
     init_from: str | None = None
     """A local Hugging Face model folder (config.json + *.safetensors) to start from (fine-tuning);
     its shapes must match this model section. Null initializes at random from train.seed."""
@@ -111,6 +140,15 @@ class ModelConfig:
     def head_size(self) -> int:
         """Width of one attention head: `head_dim`, or d_model / n_heads when it is null."""
         return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_width(self) -> int:
+        """Hidden width of one expert: expert_d_ff, or d_ff when it is null."""
+        return self.d_ff if self.expert_d_ff is None else self.expert_d_ff
 
     @property
     def padded_vocab(self) -> int:
@@ -459,6 +497,26 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_moe(m: ModelConfig) -> None:
+    """The mixture-of-experts keys (`model.n_experts` > 0)."""
+    _require(m.n_experts > 0, f"model.n_experts = {m.n_experts} must not be negative; set it to 0 for a dense MLP "
+                              "or to the number of experts.")
+    _require(m.arch == "llama", f"model.n_experts = {m.n_experts} needs model.arch = llama (got {m.arch}); set "
+                                "arch=llama or n_experts=0.")
+    _require(1 <= m.experts_per_token <= m.n_experts,
+             f"model.experts_per_token = {m.experts_per_token} must be between 1 and model.n_experts = "
+             f"{m.n_experts}; route each token to at most as many experts as there are.")
+    _require(m.expert_width > 0, f"model.expert_d_ff = {m.expert_d_ff} must be positive; set it, or null for d_ff.")
+    _require(m.n_shared_experts >= 0, f"model.n_shared_experts = {m.n_shared_experts} must not be negative; set "
+                                      "it to 0 for none.")
+    _require(m.capacity_factor is None or m.capacity_factor > 0,
+             f"model.capacity_factor = {m.capacity_factor} must be positive; set it to e.g. 1.25, or null for "
+             "dropless routing.")
+    for key in ("router_aux_loss", "router_z_loss", "router_bias_rate"):
+        _require(getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must not be negative; set it to 0 to "
+                                       "turn it off.")
+
+
 def validate(cfg: Config) -> None:
     """Check every rule that does not need the devices; raise one ConfigError for the first broken one."""
     m, mesh, par, tr = cfg.model, cfg.mesh, cfg.parallel, cfg.train
@@ -498,6 +556,8 @@ def validate(cfg: Config) -> None:
                  f"{m.rope_high_freq_factor} must satisfy 0 < low < high; set them to the checkpoint's (Llama 3.1: 1 and 4).")
         _require(m.rope_original_context > 0, f"model.rope_original_context = {m.rope_original_context} must be "
                                               "positive; Llama 3.1 uses 8192.")
+    if m.n_experts or m.n_experts < 0:
+        _validate_moe(m)
     _require(m.norm_eps > 0, f"model.norm_eps = {m.norm_eps} must be positive; set it to a small number like 1e-5.")
     _require(m.init_std > 0, f"model.init_std = {m.init_std} must be positive; set it to e.g. 0.02.")
 
@@ -514,6 +574,9 @@ def validate(cfg: Config) -> None:
     _require(par.zero_min_elements >= 0, f"parallel.zero_min_elements = {par.zero_min_elements} must not be "
                                          "negative; set it to 0 to shard every leaf that can be sharded.")
     if par.data_mode == "naive":  # one device updates everything: nothing else may split the state
+        _require(not m.moe, f"model.n_experts = {m.n_experts} cannot be combined with parallel.data_mode = naive "
+                            "(the baseline step has no MoE router report or bias update); set "
+                            "parallel.data_mode=ddp.")
         for key, value, ok in (("parallel.zero", par.zero, 0), ("mesh.stage", mesh.stage, 1),
                                ("mesh.model", mesh.model, 1), ("parallel.offload", par.offload, "none")):
             _require(value == ok, f"{key} = {value} cannot be combined with parallel.data_mode = naive, which "
@@ -614,6 +677,9 @@ def check_model_axis(cfg: Config, t: int) -> None:
     _require(m.d_ff % t == 0,
              f"model.d_ff = {m.d_ff} is not divisible by mesh.model = {t} (tensor parallelism splits the MLP "
              f"width); choose d_ff as a multiple of {t}, e.g. {-(-m.d_ff // t) * t}.")
+    _require(not m.moe or m.expert_width % t == 0,
+             f"model.expert_d_ff = {m.expert_width} is not divisible by mesh.model = {t} (tensor parallelism "
+             f"splits each expert's width); choose expert_d_ff as a multiple of {t}, e.g. {-(-m.expert_width // t) * t}.")
     _require(m.padded_vocab % t == 0,
              f"the padded vocabulary model.vocab_size = {m.vocab_size} -> {m.padded_vocab} (a multiple of "
              f"model.vocab_multiple = {m.vocab_multiple}) is not divisible by mesh.model = {t}; set "

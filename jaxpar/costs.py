@@ -633,12 +633,14 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
 
 @functools.lru_cache(maxsize=256)
 def _count_params(mcfg, embeddings: bool) -> int:
-    return model.count_params(mcfg, embeddings=embeddings)  # (builds the parameter shapes: cached)
+    """Non-embedding (or all) parameters a token uses: an MoE layer's k routed experts, not all."""
+    return model.count_params(mcfg, embeddings=embeddings, active=True)  # (builds the shapes: cached)
 
 
 def model_flops_per_token(cfg: Config) -> float:
-    """6·N + 12·L·d_attn·S (DESIGN.md §6.1): N the non-embedding parameters, d_attn = n_heads x
-    head_dim (d_model unless head_dim is set), causal attention not halved."""
+    """6·N + 12·L·d_attn·S (DESIGN.md §6.1): N the non-embedding parameters a token uses (MoE:
+    the active ones), d_attn = n_heads x head_dim (d_model unless head_dim is set), causal
+    attention not halved."""
     m = cfg.model
     return 6 * _count_params(m, False) + 12 * m.n_layers * m.n_heads * m.head_size * m.seq_len
 

@@ -25,8 +25,11 @@ from jaxpar.config import Config
 # Every logical dim name the model may use.
 # `sp_seq` is the seq dim of activations outside the attention and MLP matmuls (norms, residual
 # adds): the regions that sequence parallelism shards over `model`.
+# MoE (`jaxpar.model.moe`): `experts` is the expert dim of expert weights, `expert_mlp` an expert's
+# hidden width (split over `model` as `mlp` is: Megatron's expert tensor parallelism), `router`
+# the expert dim of the router and of its bias and statistics (replicated).
 LOGICAL_NAMES = ("batch", "seq", "sp_seq", "pos", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
-                 "layers")
+                 "layers", "experts", "expert_mlp", "router")
 
 Axis = str | tuple[str, ...] | None
 
@@ -85,7 +88,7 @@ def storage_rules(cfg: Config, mesh: Mesh) -> Rules:
     return Rules({
         "batch": None, "seq": None, "sp_seq": None, "pos": None, "embed": None, "head_dim": None,
         "heads": "model", "kv_heads": _kv_heads_axis(cfg, mesh), "mlp": "model", "vocab": "model",
-        "layers": "stage",
+        "layers": "stage", "experts": None, "expert_mlp": "model", "router": None,
     })
 
 
@@ -96,7 +99,7 @@ def compute_rules(cfg: Config, mesh: Mesh) -> Rules:
         "batch": "data", "seq": None, "sp_seq": "model" if cfg.parallel.sequence_parallel else None,
         "pos": None, "embed": None, "head_dim": None,
         "heads": "model", "kv_heads": _kv_heads_axis(cfg, mesh), "mlp": "model", "vocab": "model",
-        "layers": None,
+        "layers": None, "experts": None, "expert_mlp": "model", "router": None,
     })
 
 
@@ -323,6 +326,12 @@ def _tp() -> TensorParallel | None:
 def tensor_parallel() -> bool:
     """Is the model being traced tensor-parallel (inside a shard_map manual over `model`)?"""
     return _tp() is not None
+
+
+def tensor_parallel_size() -> int:
+    """The number of model ranks the traced model is split over (1 without manual tensor parallelism)."""
+    tp = _tp()
+    return 1 if tp is None else tp.t
 
 
 def enter_tp(x_BxTxD: jax.Array) -> jax.Array:

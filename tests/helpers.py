@@ -31,6 +31,10 @@ GRAD_ATOL = 1e-6
 # doubled reduction: Adam and global-norm clipping are invariant to the gradient's scale, which
 # is why the gradients and their norms are compared too.)
 PARAM_ATOL = 5e-5
+# MoE router metrics (aux loss ~1, z-loss ~2, loads ~1, dropped fraction): float32 means over the
+# step's tokens, summed in another order per mesh; 1e-5 is ~80 float32 ulps at 1. A sequence
+# routed on the wrong rank, or a report summed twice, moves them by far more.
+MOE_ATOL = 1e-5
 
 # The parity runs compile with LLVM's optimizations off. Parity is a property of the partitioned
 # HLO program (every pass that shards, partitions and places collectives still runs); the backend
@@ -67,15 +71,17 @@ def run_steps(cfg: Config, devices=None) -> dict:
     init = jax.device_get(state.params)
     batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(cfg.train.steps)]
     step = program.step.lower(state, batches[0]).compile(COMPILER_OPTIONS)
-    losses, norms, grads = [], [], None
+    losses, norms, grads, moe = [], [], None, []
     for batch in batches:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
+        moe.append([float(metrics[k]) for k in sorted(metrics) if k.startswith("moe_")])
         if grads is None:
             grads = _first_gradient(cfg, state.opt_state, norms[0])
     return {"losses": np.array(losses), "grad_norms": np.array(norms), "grads": grads, "init": init,
-            "params": jax.device_get(state.params), "skipped": int(metrics["skipped_steps"])}
+            "params": jax.device_get(state.params), "skipped": int(metrics["skipped_steps"]),
+            "moe": np.array(moe)}
 
 
 def _first_gradient(cfg: Config, opt_state, grad_norm: float):
@@ -107,6 +113,11 @@ def parity_failures(out: dict, ref: dict) -> dict[str, str]:
     if not norm_err <= GRAD_NORM_RTOL:
         failed["grad_norms"] = (f"relative diff {norm_err:.3g} > {GRAD_NORM_RTOL}: "
                                 f"{out['grad_norms']} vs {ref['grad_norms']}")
+    # MoE: what the routers reported at every step (losses, extreme loads, dropped fraction): sums
+    # over the same tokens in another order, as the loss is.
+    moe_err = np.max(np.abs(out["moe"] - ref["moe"]), initial=0.0) if "moe" in out and "moe" in ref else 0.0
+    if not moe_err <= MOE_ATOL:
+        failed["moe"] = f"router metrics differ by {moe_err:.3g} > {MOE_ATOL}: {out['moe']} vs {ref['moe']}"
     leaves = jax.tree_util.tree_leaves_with_path(out["grads"])
     want = jax.tree.leaves(ref["grads"])
     assert jax.tree.structure(out["grads"]) == jax.tree.structure(ref["grads"])

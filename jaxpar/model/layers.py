@@ -342,7 +342,12 @@ class Block(nnx.Module):
         self.attn_norm = norm(cfg)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = norm(cfg)
-        self.mlp = MLP(cfg, rngs=rngs)
+        if cfg.moe:
+            from jaxpar.model.moe import MoE  # (moe builds on this module's layers)
+
+            self.mlp = MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         # The residual stream and the norms live on `sp_seq` (split over `model` by sequence

@@ -183,10 +183,17 @@ def apply(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, *, remat: str
     return bind(cfg, params)(tokens_BxT, remat=remat)
 
 
-def count_params(cfg: ModelConfig, *, embeddings: bool = True) -> int:
-    """Parameter count Ψ (optionally without the token / position embeddings, for FLOP counts)."""
+def count_params(cfg: ModelConfig, *, embeddings: bool = True, active: bool = False) -> int:
+    """Parameter count Ψ (optionally without the token / position embeddings, for FLOP counts;
+    with `active`, an MoE model's parameters that one token uses: its k routed experts of each
+    layer, not all of them, and not the routers' bias and report, which no token multiplies)."""
     shapes = param_shapes(cfg)
     total = sum(x.size for x in jax.tree.leaves(shapes))
     if not embeddings:
         total -= shapes["embed"].size + (shapes["pos_embed"].size if "pos_embed" in shapes else 0)
+    if active and cfg.moe:
+        mlp = shapes["blocks"]["mlp"]
+        idle = (cfg.n_experts - cfg.experts_per_token) / cfg.n_experts
+        total -= round(sum(mlp[k].size for k in ("w_gate", "w_up", "w_down")) * idle)
+        total -= sum(mlp[k].size for k in ("router_stats", "router_bias") if k in mlp)
     return total

@@ -179,7 +179,8 @@ def _refuse_replicated(names, shapes, dims, data, min_elements) -> None:
     flat_names = jax.tree.leaves(names, is_leaf=_is_names)
     flat_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, int))
     for (path, shape), n, d in zip(flat, flat_names, flat_dims):
-        if d is None and math.prod(shape.shape) >= min_elements:
+        # (An MoE router's bias and report, a few numbers per expert, may stay replicated.)
+        if d is None and math.prod(shape.shape) >= min_elements and tuple(x for x in n if x != "layers") != ("router",):
             leaf = jax.tree_util.keystr(path, simple=True, separator=".")
             raise ConfigError(
                 f"parameter {leaf} {tuple(shape.shape)} (dims {', '.join(n)}) would stay replicated under "

@@ -40,9 +40,13 @@ def summary(cfg, mesh) -> str:
     shapes = model.param_shapes(m)
     state = state_bytes(make_layout(cfg, mesh, model.param_names(m), shapes), shapes, mesh)
     per_device = ", ".join(f"{k} {_mib(v['per_device'])} of {_mib(v['replicated'])}" for k, v in state.items())
+    experts = (f"; MoE: {m.n_experts} experts of d_ff {m.expert_width}, top-{m.experts_per_token}"
+               f"{f', {m.n_shared_experts} shared' if m.n_shared_experts else ''}, router {m.router}, "
+               f"{'dropless' if m.capacity_factor is None else f'capacity factor {m.capacity_factor:g}'}, "
+               f"{model.count_params(m, active=True):,} parameters active per token" if m.moe else "")
     return "\n".join([
         f"model   {m.arch}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads ({m.kv_heads} kv), "
-        f"d_ff {m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}; {n:,} parameters; compute {m.dtype}, "
+        f"d_ff {m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}; {n:,} parameters{experts}; compute {m.dtype}, "
         f"params {m.param_dtype}",
         f"train   {tr.steps} steps x {tr.global_batch} sequences ({tr.global_batch * m.seq_len:,} tokens/step), "
         f"lr {tr.lr:g}, data {cfg.data.source!r}, run_dir {tr.run_dir}",
@@ -100,13 +104,19 @@ def main(argv=None) -> int:
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}")]
         if cfg.train.eval_every > 0:
             columns.append(TextColumn("val {task.fields[val]}"))
+        if cfg.model.moe:  # the routers: losses and the extreme expert loads (1 = the mean load)
+            columns.append(TextColumn("moe {task.fields[moe]}"))
         progress = Progress(*columns, TextColumn("{task.fields[tps]} tok/s"), TextColumn("{task.fields[eff]}"),
                             TimeRemainingColumn(), console=console, disable=not is_main)
         with progress:
-            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-", val="-", eff="")
+            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-", val="-", eff="", moe="-")
 
             def show(rec: dict) -> None:
                 val = {"val": f"{rec['val_loss']:.4f} (ppl {rec['val_ppl']:.2f})"} if "val_loss" in rec else {}
+                if "moe_aux_loss" in rec:
+                    dropped = f" dropped {rec['moe_dropped']:.1%}" if "moe_dropped" in rec else ""
+                    val["moe"] = (f"aux {rec['moe_aux_loss']:.3f} z {rec['moe_z_loss']:.3f} load "
+                                  f"{rec['moe_min_load']:.2f}-{rec['moe_max_load']:.2f}{dropped}")
                 progress.update(task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
                                 tps=f"{rec['tokens_per_s']:,.0f}", eff=efficiency.describe(rec), **val)
 

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config, ConfigError, validate
 from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_mesh
+from jaxpar.model import moe
 from jaxpar.parallel.gradients import make_loss_and_grads
 from jaxpar.parallel.zero import Layout, make_layout
 from jaxpar.sharding import compute_rules, vocab_offset, vocab_reduce
@@ -187,33 +188,41 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
     def grads_at(params, batch):
-        loss, g = loss_and_grads(for_grads(params), batch)
+        # (MoE: each sequence's router losses weigh 1 / sequences of the step, `jaxpar.model.moe`.)
+        with moe.sequences_per_step(cfg.train.global_batch):
+            loss, g = loss_and_grads(for_grads(params), batch)
         if masked:
             # The executors divide the summed loss by every target of the batch; with a loss mask
-            # the mean is over the learned ones: one scale of the loss and every gradient.
+            # the mean is over the learned ones: one scale of the loss and every gradient (not of
+            # the MoE routers' report, which rides in the gradients as `router_stats`).
             scale = (cfg.train.global_batch * cfg.model.seq_len) / jnp.maximum(jnp.sum(batch[:, 1:] >= 0), 1)
-            loss, g = loss * scale, jax.tree.map(lambda x: (x * scale).astype(x.dtype), g)
+            loss, g = loss * scale, jax.tree_util.tree_map_with_path(
+                lambda path, x: x if moe.is_stats(path) else (x * scale).astype(x.dtype), g)
         return loss, grads_for_optimizer(g)
 
-    def update(params_and_opt_state, g, grad_norm):
+    def update(params_and_opt_state, g, grad_norm, stats):
         params, opt_state = params_and_opt_state
         if offload:  # the new state goes back to host memory below (both branches of the cond agree)
             opt_state = jax.device_put(opt_state, opt_on_device)
-        params, opt_state = _update(params, opt_state, g, grad_norm)
+        params, opt_state = _update(params, opt_state, g, grad_norm, stats)
         return params, (jax.device_put(opt_state, opt_stored) if offload else opt_state)
 
-    def _update(params, opt_state, g, grad_norm):
+    def _update(params, opt_state, g, grad_norm, stats):
         updates, opt_state = optimizer.update(g, opt_state, params, grad_norm=grad_norm)
         # ZeRO-1/2: each device computes the update of its optimizer-state shard only; the new
         # parameters are then all-gathered to their (replicated) storage layout by out_shardings.
         updates = jax.lax.with_sharding_constraint(updates, moment_shardings)
         if master:  # the updated master (a moment-layout shard), cast to the stored dtype
+            # (MoE sigmoid_bias routers: the selection bias moves on the master, outside Adam.)
+            opt_state = opt_state._replace(master=moe.update_bias(cfg.model, opt_state.master, stats))
             # Cast on the shard, so that out_shardings all-gathers 16-bit parameters, not the master.
             return jax.lax.with_sharding_constraint(stored_params(opt_state, params), moment_shardings), opt_state
-        return optax.apply_updates(params, updates), opt_state
+        return moe.update_bias(cfg.model, optax.apply_updates(params, updates), stats), opt_state
 
     def step(state: TrainState, batch: jax.Array):
         loss, g = grads_at(state.params, batch)
+        # MoE: what the routers reported leaves the gradients here (zeros in its place).
+        g, stats = moe.split_stats(cfg.model, g)
         grad_norm = optax.tree.norm(g)
         # A non-finite loss or gradient drops the update (train.on_nan). With `stop`, the first such
         # step also freezes the state (step count included), so what the loop saves when it sees the
@@ -228,8 +237,11 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         # A `cond`, not a `where(ok, new, old)` over the state: the select keeps the old moments
         # alive beside the new ones, so XLA copies every donated moment (+16 bytes per parameter
         # of memory traffic a step); the branch updates them in place, as a plain step does.
-        params, opt_state = jax.lax.cond(ok, update, lambda s, *_: s, (state.params, state.opt_state), g, grad_norm)
+        params, opt_state = jax.lax.cond(ok, update, lambda s, *_: s, (state.params, state.opt_state), g, grad_norm,
+                                         stats)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "skipped_steps": skipped}
+        if stats is not None:
+            metrics.update(moe.metrics(cfg.model, stats))
         return TrainState(next_step, params, opt_state, skipped), metrics
 
     return Program(

@@ -1,0 +1,248 @@
+"""Mixture-of-experts MLP: router, dropless grouped expert matmuls, shared experts, router losses.
+
+A token's hidden state goes to its top-k experts (`model.experts_per_token`), each a SwiGLU MLP
+of width `model.expert_d_ff`, and comes back weighted by the router. Dropless (the default): the
+token-expert assignments are sorted by expert and the experts run as grouped matmuls
+(`jax.lax.ragged_dot`) over exactly the tokens each received, with no padding to a capacity.
+With `model.capacity_factor` each expert takes at most C = ceil(c x T x k / E) tokens of each
+sequence (the group does not depend on the mesh, so every mesh computes the same function), the
+assignments beyond it are dropped (top-1 choices first, then by position, as Switch does).
+
+Router losses without plumbing (DESIGN.md §11): the load-balancing loss and the z-loss of a layer
+are functions of its router logits only, so their gradient enters where the logits are made, by
+a custom VJP (identity forward; backward adds the losses' gradient). Every executor (gradient
+accumulation, every pipeline schedule, data and tensor parallelism) then differentiates the
+objective  CE + sum over layers of (aux_coef x aux + z_coef x z)  without knowing the losses
+exist. A sequence's losses weigh 1 / (sequences per step): the mean over the step's sequences,
+set by the train step (`sequences_per_step`), or over the call's batch outside it.
+The same VJP reports what is logged: each layer's `router_stats` leaf (zeros, never trained) has
+as its "gradient" the step's mean expert loads, losses and dropped fraction, which every executor
+sums over microbatches, data shards and stages like any gradient; the train step takes it out of
+the gradients before clipping and the optimizer (`split_stats`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.model.layers import linear, param
+from jaxpar.sharding import constrain, exit_tp, tensor_parallel_size, varying_axes, vary, zeros_like_varying
+
+# The per-layer statistics the router reports (`router_stats` holds n_experts loads, then these).
+STATS = ("aux_loss", "z_loss", "dropped")
+
+_SEQUENCES: contextvars.ContextVar[int | None] = contextvars.ContextVar("jaxpar_moe_sequences", default=None)
+
+
+@contextlib.contextmanager
+def sequences_per_step(n: int):
+    """While tracing a step over `n` sequences (split into microbatches, data shards, stages),
+    each sequence's router losses weigh 1/n."""
+    token = _SEQUENCES.set(n)
+    try:
+        yield
+    finally:
+        _SEQUENCES.reset(token)
+
+
+def split_stats(cfg: ModelConfig, grads: Any) -> tuple[Any, jax.Array | None]:
+    """(the gradients with zeros for `router_stats`, the stats [layers, n_experts + 3]): the
+    stats leaf's "gradient" is what the routers reported, never an update."""
+    if not cfg.moe:
+        return grads, None
+    mlp = grads["blocks"]["mlp"]
+    stats = mlp["router_stats"]
+    mlp = {**mlp, "router_stats": jnp.zeros_like(stats)}
+    return {**grads, "blocks": {**grads["blocks"], "mlp": mlp}}, stats.astype(jnp.float32)
+
+
+def is_stats(path) -> bool:
+    """Is this tree path (`jax.tree_util` keys) the routers' report leaf?"""
+    return bool(path) and getattr(path[-1], "key", None) == "router_stats"
+
+
+def metrics(cfg: ModelConfig, stats: jax.Array) -> dict[str, jax.Array]:
+    """What is logged of the stats [layers, n_experts + 3] (summed over layers where a loss, the
+    extremes over layers where a load; loads relative to the mean load, 1 = balanced)."""
+    E = cfg.n_experts
+    load = stats[:, :E] * E  # each row sums to 1 (a fraction of the assignments): 1 = the mean
+    out = {"moe_aux_loss": jnp.sum(stats[:, E]), "moe_z_loss": jnp.sum(stats[:, E + 1]),
+           "moe_max_load": jnp.max(load), "moe_min_load": jnp.min(load)}
+    if cfg.capacity_factor is not None:
+        out["moe_dropped"] = jnp.mean(stats[:, E + 2])
+    return out
+
+
+def update_bias(cfg: ModelConfig, params: Any, stats: jax.Array) -> Any:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after the step's update: each expert's
+    selection bias moves by `router_bias_rate` towards equal load."""
+    if not cfg.moe or cfg.router != "sigmoid_bias":
+        return params
+    E = cfg.n_experts
+    load = stats[:, :E]
+    mlp = params["blocks"]["mlp"]
+    bias = mlp["router_bias"]
+    new = bias + (cfg.router_bias_rate * jnp.sign(1.0 / E - load)).astype(bias.dtype)
+    return {**params, "blocks": {**params["blocks"], "mlp": {**mlp, "router_bias": new}}}
+
+
+class MoE(nnx.Module):
+    """The MoE MLP of one layer (llama architecture: SwiGLU experts)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, E, F, pd, std = cfg.d_model, cfg.n_experts, cfg.expert_width, cfg.param_dtype, cfg.init_std
+        out_std = std / math.sqrt(2 * cfg.n_layers)
+        self.cfg = cfg
+        self.router = param(rngs, (D, E), ("embed", "router"), pd, std)
+        self.w_gate = param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), pd, std)
+        self.w_up = param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), pd, std)
+        self.w_down = param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), pd, out_std)
+        if cfg.n_shared_experts:
+            S = cfg.n_shared_experts * F
+            self.shared_gate = param(rngs, (D, S), ("embed", "mlp"), pd, std)
+            self.shared_up = param(rngs, (D, S), ("embed", "mlp"), pd, std)
+            self.shared_down = param(rngs, (S, D), ("mlp", "embed"), pd, out_std)
+        if cfg.router == "sigmoid_bias":
+            self.router_bias = param(None, (E,), ("router",), jnp.float32)
+        self.router_stats = param(None, (E + len(STATS),), ("router",), jnp.float32)
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, cfg_dtype(self.cfg)
+        B, T, D = x_BxTxD.shape
+        E, k = cfg.n_experts, cfg.experts_per_token
+        # Router in float32 (the softmax and the top-k see the precision they need).
+        logits_BxTxE = jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        bias = self.router_bias[...] if cfg.router == "sigmoid_bias" else None
+        n = _SEQUENCES.get()
+        # Under tensor parallelism every model rank computes the same logits and their cotangents
+        # are summed over `model`: each rank adds 1/t of the losses' gradient (and reports 1/t).
+        weight = 1.0 / ((B if n is None else n) * tensor_parallel_size())
+        # (The stats leaf varies over the manual axes the logits vary over, so that its cotangent,
+        # computed from them, is typed as it is; the cast's transpose sums it over those axes.)
+        axes = (*varying_axes(logits_BxTxE), *varying_axes(self.router_stats[...]))
+        logits_BxTxE = _router_losses(vary(logits_BxTxE, axes), vary(self.router_stats[...], axes), bias, cfg, weight)
+        gates_BxTxK, experts_BxTxK = route(cfg, logits_BxTxE, bias)
+        if cfg.capacity_factor is not None:
+            gates_BxTxK = gates_BxTxK * keep_mask(cfg, experts_BxTxK)
+        x_NxD = x_BxTxD.reshape(B * T, D)
+        y_NxD = experts_dropless(x_NxD, experts_BxTxK.reshape(B * T, k), gates_BxTxK.reshape(B * T, k).astype(dt),
+                                 self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
+        out_BxTxD = y_NxD.reshape(B, T, D)
+        if cfg.n_shared_experts:
+            h = jax.nn.silu(linear(x_BxTxD, self.shared_gate[...].astype(dt))) * linear(x_BxTxD, self.shared_up[...].astype(dt))
+            h = constrain(h, ("batch", "seq", "mlp"))
+            out_BxTxD = out_BxTxD + linear(h, self.shared_down[...].astype(dt))
+        # Row-parallel under tensor parallelism: expert and shared outputs are partial sums over `model`.
+        return exit_tp(out_BxTxD)
+
+
+def cfg_dtype(cfg: ModelConfig):
+    return jnp.dtype(cfg.dtype)
+
+
+def route(cfg: ModelConfig, logits_BxTxE: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(gates [B, T, k] float32, expert ids [B, T, k] int32) of each token's top-k experts."""
+    k = cfg.experts_per_token
+    if cfg.router == "softmax":
+        probs = jax.nn.softmax(logits_BxTxE, axis=-1)
+        gates, experts = jax.lax.top_k(probs, k)
+    else:  # sigmoid scores; the bias decides the choice only, not the weights (DeepSeek-V3)
+        scores = jax.nn.sigmoid(logits_BxTxE)
+        _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), k)
+        gates = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.router_norm_topk:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return gates, experts
+
+
+def capacity(cfg: ModelConfig, seq_len: int) -> int:
+    """Tokens an expert takes per sequence in capacity mode."""
+    return math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token / cfg.n_experts)
+
+
+def keep_mask(cfg: ModelConfig, experts_BxTxK: jax.Array) -> jax.Array:
+    """1 where an assignment fits its expert's capacity in its sequence, else 0 (float32). The
+    assignments queue choice-major: every token's first choice, in sequence order, then every
+    second choice, and so on."""
+    B, T, k = experts_BxTxK.shape
+    onehot = jax.nn.one_hot(jnp.swapaxes(experts_BxTxK, 1, 2).reshape(B, k * T), cfg.n_experts, dtype=jnp.int32)
+    position = jnp.cumsum(onehot, axis=1) - 1  # [B, k*T, E]: place in its expert's queue
+    pos = jnp.sum(position * onehot, axis=-1).reshape(B, k, T)
+    return jnp.swapaxes(pos < capacity(cfg, T), 1, 2).astype(jnp.float32)
+
+
+def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD) -> jax.Array:
+    """sum_j gate_j x expert_{e_j}(x) for every token: the N*k assignments sorted by expert, each
+    expert's SwiGLU as grouped matmuls over its run of rows, and the rows put back in order."""
+    N, k = experts_NxK.shape
+    E = w_gate_ExDxF.shape[0]
+    flat = experts_NxK.reshape(N * k)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    xs = x_NxD[order // k]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate_ExDxF, sizes)) * jax.lax.ragged_dot(xs, w_up_ExDxF, sizes)
+    ys = jax.lax.ragged_dot(h, w_down_ExFxD, sizes)
+    y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
+    return jnp.einsum("nkd,nk->nd", y.reshape(N, k, -1), gates_NxK)
+
+
+# --------------------------------------------------------------------------------------------
+# The router losses' gradient and the router's report, through one custom VJP
+
+
+def router_losses(cfg: ModelConfig, logits_BxTxE: jax.Array, bias: jax.Array | None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Per sequence [B]: the load-balancing loss, the z-loss, the dropped fraction, and the loads
+    [B, E] (the fraction of the sequence's assignments each expert received)."""
+    E, k = cfg.n_experts, cfg.experts_per_token
+    _, experts = route(cfg, jax.lax.stop_gradient(logits_BxTxE), bias)
+    T = logits_BxTxE.shape[1]
+    load_BxE = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(1, 2)) / (T * k)
+    probs = (jax.nn.softmax(logits_BxTxE, axis=-1) if cfg.router == "softmax"
+             else _normalized(jax.nn.sigmoid(logits_BxTxE)))
+    aux = E * jnp.sum(load_BxE * jnp.mean(probs, axis=1), axis=-1)
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxTxE, axis=-1)), axis=1)
+    if cfg.capacity_factor is None:
+        dropped = jnp.zeros_like(aux)
+    else:
+        dropped = 1.0 - jnp.mean(keep_mask(cfg, experts), axis=(1, 2))
+    return aux, z, dropped, load_BxE
+
+
+def _normalized(scores):
+    return scores / jnp.sum(scores, axis=-1, keepdims=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _router_losses(logits, stats, bias, cfg, weight):
+    return logits
+
+
+def _router_losses_fwd(logits, stats, bias, cfg, weight):
+    return logits, (logits, stats, bias)
+
+
+def _router_losses_bwd(cfg, weight, res, g):
+    logits, stats, bias = res
+
+    def objective(lg):
+        aux, z, _, _ = router_losses(cfg, lg, bias)
+        return weight * jnp.sum(cfg.router_aux_loss * aux + cfg.router_z_loss * z)
+
+    d_logits = jax.grad(objective)(logits)
+    aux, z, dropped, load = router_losses(cfg, logits, bias)
+    report = weight * jnp.concatenate([jnp.sum(load, axis=0), jnp.stack([jnp.sum(aux), jnp.sum(z), jnp.sum(dropped)])])
+    report = vary(report.astype(stats.dtype), varying_axes(stats))
+    return g + d_logits.astype(g.dtype), report, None if bias is None else zeros_like_varying(bias)
+
+
+_router_losses.defvjp(_router_losses_fwd, _router_losses_bwd)

@@ -1,0 +1,260 @@
+"""Mixture of experts (`jaxpar.model.moe`): the layer against a dense per-expert reference (values
+and gradients, the router losses included), parity with one device on every axis and schedule,
+the routers' report, DeepSeek-V3's bias update, and bad configs refused before compiling."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import assert_parity, run_reference, run_steps
+from jaxpar.config import ConfigError, ModelConfig, from_dict, validate
+from jaxpar.mesh import check_sizes, make_mesh
+from jaxpar import model
+from jaxpar.model import moe as moe_lib
+from jaxpar.model.moe import MoE
+from jaxpar.train.step import build
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # CPU thread-count warnings
+
+
+def layer_cfg(**kw) -> ModelConfig:
+    base = dict(n_layers=2, d_model=16, n_heads=2, d_ff=32, vocab_size=64, seq_len=12, n_experts=4,
+                experts_per_token=2, expert_d_ff=8, router_aux_loss=0.1, router_z_loss=0.01)
+    return ModelConfig(**{**base, **kw})
+
+
+def reference(cfg: ModelConfig, p: dict, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(output [B, T, D], the router losses' term of the objective) written the slow way: every
+    expert on every token, each token's output the gate-weighted sum of its experts' outputs,
+    capacity by a plain loop over the queue; the losses as their definitions say."""
+    E, k = cfg.n_experts, cfg.experts_per_token
+    B, T, _ = x.shape
+    logits = x @ p["router"]
+    if cfg.router == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        choice, weights = probs, probs
+    else:
+        scores = jax.nn.sigmoid(logits)
+        choice, weights = scores + p["router_bias"], scores
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    experts = np.asarray(jax.lax.top_k(jax.lax.stop_gradient(choice), k)[1])  # [B, T, k]
+    gates = jnp.take_along_axis(weights, jnp.asarray(experts), axis=-1)
+    if cfg.router_norm_topk:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    keep = np.ones((B, T, k), np.float32)
+    if cfg.capacity_factor is not None:
+        cap = math.ceil(cfg.capacity_factor * T * k / E)
+        for b in range(B):
+            taken = [0] * E
+            for j in range(k):  # every first choice, in sequence order, then every second choice
+                for t in range(T):
+                    e = experts[b, t, j]
+                    keep[b, t, j] = float(taken[e] < cap)
+                    taken[e] += 1
+    combine = jnp.einsum("btk,btke->bte", gates * keep, jax.nn.one_hot(experts, E))
+    h = jax.nn.silu(jnp.einsum("btd,edf->btef", x, p["w_gate"])) * jnp.einsum("btd,edf->btef", x, p["w_up"])
+    out = jnp.einsum("btef,efd,bte->btd", h, p["w_down"], combine)
+    if cfg.n_shared_experts:
+        out = out + (jax.nn.silu(x @ p["shared_gate"]) * (x @ p["shared_up"])) @ p["shared_down"]
+    load = jnp.mean(jax.nn.one_hot(experts, E).sum(2), axis=1) / k  # [B, E]
+    aux = E * jnp.sum(load * jnp.mean(probs, axis=1), axis=-1)
+    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=1)
+    return out, jnp.mean(cfg.router_aux_loss * aux + cfg.router_z_loss * z)
+
+
+LAYER_CASES = {
+    "top2": {},
+    "top1": {"experts_per_token": 1, "router_norm_topk": False},
+    "shared": {"n_shared_experts": 2},
+    "sigmoid_bias": {"router": "sigmoid_bias"},
+    "capacity": {"capacity_factor": 1.0},
+    "capacity_top1": {"capacity_factor": 0.75, "experts_per_token": 1},
+}
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_layer_matches_a_dense_per_expert_reference(case):
+    """Value, and gradients of every parameter and of the input, of  sum(out * r) + the router
+    losses: the grouped matmuls, the sort and its inverse, the capacity queue, and the losses'
+    gradient entering through the custom VJP all agree with the slow definition."""
+    cfg = layer_cfg(**LAYER_CASES[case])
+    layer = MoE(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    params = nnx.to_pure_dict(state)
+    if cfg.router == "sigmoid_bias":  # a bias that changes the choice of experts
+        params["router_bias"] = 0.3 * jax.random.normal(jax.random.key(3), params["router_bias"].shape)
+    x = jax.random.normal(jax.random.key(1), (3, cfg.seq_len, cfg.d_model))
+    r = jax.random.normal(jax.random.key(2), x.shape)
+
+    def ours(params, x):
+        st = jax.tree.map(lambda v: v, state)
+        nnx.replace_by_pure_dict(st, params)
+        return jnp.sum(nnx.merge(graphdef, st)(x) * r)
+
+    def slow(params, x):
+        out, losses = reference(cfg, params, x)
+        return jnp.sum(out * r) + losses
+
+    want_value, want = jax.value_and_grad(slow, argnums=(0, 1))(params, x)
+    value, got = jax.value_and_grad(ours, argnums=(0, 1))(params, x)
+    out_ref, _ = reference(cfg, params, x)
+    np.testing.assert_allclose(value, float(jnp.sum(out_ref * r)), rtol=1e-5)  # (the losses add no value)
+    got_params, got_x = got
+    want_params, want_x = want
+    np.testing.assert_allclose(got_x, want_x, atol=1e-5)
+    for key in want_params:
+        if key in ("router_stats", "router_bias"):
+            continue
+        np.testing.assert_allclose(got_params[key], want_params[key], atol=1e-5, err_msg=key)
+    if cfg.capacity_factor is not None:  # the case must drop something, or it tests nothing
+        assert float(got_params["router_stats"][-1]) > 0
+
+
+def test_router_losses_move_the_router_gradient():
+    """The losses' gradient is there at all: with both coefficients 0 the router's gradient differs."""
+    cfg = layer_cfg()
+    layer = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, cfg.seq_len, cfg.d_model))
+
+    def grad_router(c):
+        graphdef, state = nnx.split(MoE(c, rngs=nnx.Rngs(0)))
+        return jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x)))(state)["router"][...]
+
+    del layer
+    diff = np.max(np.abs(grad_router(cfg) - grad_router(layer_cfg(router_aux_loss=0.0, router_z_loss=0.0))))
+    assert diff > 1e-4
+
+
+def test_router_stats_report_the_loads_and_losses():
+    """The stats leaf's gradient is the report: loads summing to 1 per layer, the losses' mean values."""
+    cfg = layer_cfg()
+    graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(1), (4, cfg.seq_len, cfg.d_model))
+    stats = jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x)))(state)["router_stats"][...]
+    E = cfg.n_experts
+    np.testing.assert_allclose(np.sum(stats[:E]), 1.0, rtol=1e-6)
+    params = nnx.to_pure_dict(state)
+    logits = x @ params["router"]
+    aux, z, _, _ = moe_lib.router_losses(cfg, logits, None)
+    np.testing.assert_allclose(stats[E:E + 2], [jnp.mean(aux), jnp.mean(z)], rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Parity with one device
+
+
+def moe_run(d, p, t, *, schedule="1f1b", zero=0, **model):
+    return from_dict({
+        "model": {"n_layers": 4, "d_model": 32, "n_heads": 4, "d_ff": 64, "vocab_size": 64, "seq_len": 16,
+                  "n_experts": 4, "experts_per_token": 2, "expert_d_ff": 32, "router_aux_loss": 0.05,
+                  "router_z_loss": 0.01, **model},
+        "mesh": {"data": d, "stage": p, "model": t},
+        "parallel": {"schedule": schedule, "microbatches": max(p, 2), "zero": zero, "zero_min_elements": 0,
+                     "sequence_parallel": t > 1},
+        "train": {"steps": 3, "global_batch": 16, "lr": 1e-2, "warmup_steps": 1},
+    })
+
+
+_REF = {}
+
+
+def reference_run(cfg):
+    key = repr(cfg.model)
+    if key not in _REF:
+        _REF[key] = run_reference(cfg)
+    return _REF[key]
+
+
+PARITY = [  # (mesh, schedule, zero, model options)
+    ((8, 1, 1), "1f1b", 1, {}),
+    ((2, 2, 2), "1f1b", 3, {"n_shared_experts": 1}),
+    ((4, 1, 2), "1f1b", 0, {"router": "sigmoid_bias", "experts_per_token": 1}),
+    ((1, 4, 2), "zb_h1", 2, {"capacity_factor": 1.0}),
+]
+PARITY_SLOW = [
+    ((2, 1, 4), "1f1b", 3, {}),
+    ((1, 8, 1), "1f1b", 0, {"n_shared_experts": 1}),
+    ((2, 4, 1), "interleaved_1f1b", 1, {"experts_per_token": 1}),
+    ((4, 2, 1), "gpipe", 3, {"router": "sigmoid_bias"}),
+    ((8, 1, 1), "1f1b", 0, {"capacity_factor": 1.0}),
+    ((2, 2, 2), "zb_h1", 1, {"router": "sigmoid_bias", "n_shared_experts": 1}),
+]
+
+
+def _parity(mesh, schedule, zero, options):
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    cfg = moe_run(*mesh, schedule=schedule, zero=zero, **options)
+    if v > 1:
+        cfg = cfg.replace(model={"n_layers": 8}, parallel={"virtual_stages": v})
+    ref = reference_run(cfg)
+    out = run_steps(cfg)
+    assert_parity(out, ref)
+    assert out["moe"].shape[1] >= 4  # the router metrics were compared
+    return out, ref
+
+
+@pytest.mark.parametrize("mesh,schedule,zero,options", PARITY)
+def test_moe_matches_single_device(mesh, schedule, zero, options):
+    _parity(mesh, schedule, zero, options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,schedule,zero,options", PARITY_SLOW)
+def test_moe_matches_single_device_more(mesh, schedule, zero, options):
+    _parity(mesh, schedule, zero, options)
+
+
+def test_every_expert_gets_its_gradient_and_the_bias_balances():
+    """Every expert's weights receive a gradient (none is starved by a routing mistake), and with
+    sigmoid_bias each bias moved by exactly the rate, up for experts below the mean load."""
+    cfg = moe_run(1, 1, 1, router="sigmoid_bias")
+    out = run_steps(cfg.replace(train={"steps": 1}))
+    g = out["grads"]["blocks"]["mlp"]
+    for key in ("w_gate", "w_up", "w_down"):
+        per_expert = np.abs(g[key]).reshape(*g[key].shape[:2], -1).max(-1)  # [layers, experts]
+        assert (per_expert > 0).all(), key
+    moved = out["params"]["blocks"]["mlp"]["router_bias"] - out["init"]["blocks"]["mlp"]["router_bias"]
+    np.testing.assert_allclose(np.abs(moved), cfg.model.router_bias_rate, rtol=1e-6)
+
+
+def test_the_step_logs_the_routers():
+    cfg = moe_run(1, 1, 1, capacity_factor=0.5)
+    program = build(cfg, make_mesh(cfg, jax.devices()[:1]))
+    state = program.init(jax.random.key(0))
+    batch = jnp.zeros((16, 17), jnp.int32) + jnp.arange(17) % 64
+    _, metrics = program.step(state, batch)
+    assert {"moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_min_load", "moe_dropped"} <= set(metrics)
+    assert 0 < float(metrics["moe_dropped"]) < 1
+    assert float(metrics["moe_min_load"]) <= 1.0 <= float(metrics["moe_max_load"])
+
+
+@pytest.mark.parametrize("model,mesh,parallel,message", [
+    ({"experts_per_token": 5}, {}, {}, "experts_per_token = 5 must be between 1 and model.n_experts = 4"),
+    ({"capacity_factor": 0.0}, {}, {}, "capacity_factor = 0.0 must be positive"),
+    ({"n_experts": -1}, {}, {}, "n_experts = -1 must not be negative"),
+    ({"arch": "gpt2"}, {}, {}, "needs model.arch = llama"),
+    ({"router_aux_loss": -0.1}, {}, {}, "router_aux_loss = -0.1 must not be negative"),
+    ({}, {"data": 1}, {"data_mode": "naive"}, "cannot be combined with parallel.data_mode = naive"),
+])
+def test_bad_moe_configs_are_refused(model, mesh, parallel, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(from_dict({"model": {"n_experts": 4, **model}, "mesh": mesh, "parallel": parallel}))
+
+
+def test_expert_width_must_divide_over_model():
+    cfg = moe_run(1, 1, 2, expert_d_ff=30)
+    with pytest.raises(ConfigError, match="expert_d_ff = 30 is not divisible by mesh.model = 4"):
+        check_sizes(cfg, (1, 1, 4))
+
+
+def test_active_parameters_count_k_of_the_experts():
+    cfg = layer_cfg(n_shared_experts=1)
+    shapes = model.param_shapes(cfg)["blocks"]["mlp"]
+    expert = sum(shapes[k].size for k in ("w_gate", "w_up", "w_down")) // cfg.n_experts
+    stats = shapes["router_stats"].size
+    total = model.count_params(cfg)
+    assert model.count_params(cfg, active=True) == total - (cfg.n_experts - cfg.experts_per_token) * expert - stats
