@@ -175,6 +175,12 @@ class ParallelConfig:
     """ZeRO stage over `data`: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)."""
     zero_min_elements: int = 16384
     """ZeRO leaves with fewer elements than this (norm scales, biases) stay replicated over `data`."""
+    expert_parallel: bool = True
+    """MoE (model.n_experts > 0) with data > 1: the experts of every MoE layer are split over the
+    `data` ranks (DeepSpeed-MoE's layout; n_experts divisible by data), tokens travel to their
+    experts and back by all-to-alls over `data`, and expert weights (and their optimizer state)
+    are never reduced over `data`. false: every data rank holds every expert, whose gradients are
+    reduced like the other weights'."""
     schedule: Literal["gpipe", "1f1b", "1f1b_lockstep", "1f1b_one_action", "interleaved_1f1b", "zb_h1"] = "1f1b"
     """Pipeline schedule (mesh.stage > 1): gpipe, 1f1b (Megatron's order and memory, backward split
     into I and W), 1f1b_lockstep (one F and one fused B per tick), 1f1b_one_action, interleaved_1f1b,
@@ -660,6 +666,17 @@ def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int]
             f"mesh (data, stage, model) = {tuple(sizes)} has {math.prod(sizes)} devices but {n_devices} are "
             f"available; choose sizes whose product is {n_devices}, or set one axis to -1.")
     return tuple(sizes)  # type: ignore[return-value]
+
+
+def check_data_axis(cfg: Config, d: int) -> None:
+    """What expert parallelism over a `data` axis of size d requires."""
+    m = cfg.model
+    if d == 1 or not m.moe or not cfg.parallel.expert_parallel:
+        return
+    _require(m.n_experts % d == 0,
+             f"model.n_experts = {m.n_experts} is not divisible by mesh.data = {d} (expert parallelism splits the "
+             f"experts over data ranks); choose a data size that divides {m.n_experts}, or set "
+             "parallel.expert_parallel=false to keep every expert on every data rank.")
 
 
 def check_model_axis(cfg: Config, t: int) -> None:

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import Config, ConfigError, check_batch, check_model_axis, check_stage_axis, resolve_mesh_shape
+from jaxpar.config import Config, ConfigError, check_batch, check_data_axis, check_model_axis, check_stage_axis, resolve_mesh_shape
 
 AXES = ("data", "stage", "model")
 
@@ -161,6 +161,7 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
 def check_sizes(cfg: Config, shape: tuple[int, int, int]) -> None:
     """What the config requires of resolved (data, stage, model) sizes."""
     check_batch(cfg, shape[0])
+    check_data_axis(cfg, shape[0])
     check_stage_axis(cfg, shape[1])
     check_model_axis(cfg, shape[2])
 
