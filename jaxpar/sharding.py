@@ -78,6 +78,13 @@ def _kv_heads_axis(cfg: Config, mesh: Mesh) -> Axis:
     return "model" if cfg.model.kv_heads % mesh.shape["model"] == 0 else None
 
 
+def _experts_axis(cfg: Config, mesh: Mesh) -> Axis:
+    """Expert parallelism (`parallel.expert_parallel`, MoE, data > 1): each data rank stores
+    n_experts / data of every MoE layer's experts (`jaxpar.model.moe`, DESIGN.md §11)."""
+    on = cfg.model.moe and cfg.parallel.expert_parallel and mesh.shape["data"] > 1
+    return "data" if on else None
+
+
 def storage_rules(cfg: Config, mesh: Mesh) -> Rules:
     """Where parameters, gradients and optimizer state live (before ZeRO, `jaxpar.parallel.zero`).
 
@@ -88,7 +95,7 @@ def storage_rules(cfg: Config, mesh: Mesh) -> Rules:
     return Rules({
         "batch": None, "seq": None, "sp_seq": None, "pos": None, "embed": None, "head_dim": None,
         "heads": "model", "kv_heads": _kv_heads_axis(cfg, mesh), "mlp": "model", "vocab": "model",
-        "layers": "stage", "experts": None, "expert_mlp": "model", "router": None,
+        "layers": "stage", "experts": _experts_axis(cfg, mesh), "expert_mlp": "model", "router": None,
     })
 
 

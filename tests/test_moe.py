@@ -16,6 +16,7 @@ from jaxpar.mesh import check_sizes, make_mesh
 from jaxpar import model
 from jaxpar.model import moe as moe_lib
 from jaxpar.model.moe import MoE
+from jaxpar.inspect import analyze
 from jaxpar.train.step import build
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # CPU thread-count warnings
@@ -147,14 +148,14 @@ def test_router_stats_report_the_loads_and_losses():
 # Parity with one device
 
 
-def moe_run(d, p, t, *, schedule="1f1b", zero=0, **model):
+def moe_run(d, p, t, *, schedule="1f1b", zero=0, expert_parallel=True, **model):
     return from_dict({
         "model": {"n_layers": 4, "d_model": 32, "n_heads": 4, "d_ff": 64, "vocab_size": 64, "seq_len": 16,
                   "n_experts": 4, "experts_per_token": 2, "expert_d_ff": 32, "router_aux_loss": 0.05,
                   "router_z_loss": 0.01, **model},
         "mesh": {"data": d, "stage": p, "model": t},
         "parallel": {"schedule": schedule, "microbatches": max(p, 2), "zero": zero, "zero_min_elements": 0,
-                     "sequence_parallel": t > 1},
+                     "sequence_parallel": t > 1, "expert_parallel": expert_parallel},
         "train": {"steps": 3, "global_batch": 16, "lr": 1e-2, "warmup_steps": 1},
     })
 
@@ -169,19 +170,25 @@ def reference_run(cfg):
     return _REF[key]
 
 
+# Expert parallelism wherever data > 1 (the default), unless the case turns it off. Every data
+# size (2, 4, 8), with tensor parallelism (experts split over `model`), ZeRO 0-3, pipelines,
+# top-1 and top-2, shared experts, the sigmoid-bias router and capacity mode.
 PARITY = [  # (mesh, schedule, zero, model options)
-    ((8, 1, 1), "1f1b", 1, {}),
+    ((8, 1, 1), "1f1b", 1, {"n_experts": 8}),
     ((2, 2, 2), "1f1b", 3, {"n_shared_experts": 1}),
     ((4, 1, 2), "1f1b", 0, {"router": "sigmoid_bias", "experts_per_token": 1}),
     ((1, 4, 2), "zb_h1", 2, {"capacity_factor": 1.0}),
+    ((4, 2, 1), "1f1b", 2, {"capacity_factor": 1.0, "experts_per_token": 1}),
 ]
 PARITY_SLOW = [
     ((2, 1, 4), "1f1b", 3, {}),
     ((1, 8, 1), "1f1b", 0, {"n_shared_experts": 1}),
     ((2, 4, 1), "interleaved_1f1b", 1, {"experts_per_token": 1}),
     ((4, 2, 1), "gpipe", 3, {"router": "sigmoid_bias"}),
-    ((8, 1, 1), "1f1b", 0, {"capacity_factor": 1.0}),
+    ((8, 1, 1), "1f1b", 0, {"n_experts": 8, "capacity_factor": 1.0}),
     ((2, 2, 2), "zb_h1", 1, {"router": "sigmoid_bias", "n_shared_experts": 1}),
+    ((8, 1, 1), "1f1b", 1, {"expert_parallel": False}),
+    ((2, 1, 4), "1f1b", 1, {"capacity_factor": 1.25, "n_shared_experts": 1}),
 ]
 
 
@@ -208,10 +215,12 @@ def test_moe_matches_single_device_more(mesh, schedule, zero, options):
     _parity(mesh, schedule, zero, options)
 
 
-def test_every_expert_gets_its_gradient_and_the_bias_balances():
-    """Every expert's weights receive a gradient (none is starved by a routing mistake), and with
-    sigmoid_bias each bias moved by exactly the rate, up for experts below the mean load."""
-    cfg = moe_run(1, 1, 1, router="sigmoid_bias")
+@pytest.mark.parametrize("d", [1, 4])
+def test_every_expert_gets_its_gradient_and_the_bias_balances(d):
+    """Every expert's weights receive a gradient (none is starved by a routing mistake, on one
+    device or split over 4 data ranks, one expert each), and with sigmoid_bias each bias moved
+    by exactly the rate, up for experts below the mean load."""
+    cfg = moe_run(d, 1, 1, router="sigmoid_bias")
     out = run_steps(cfg.replace(train={"steps": 1}))
     g = out["grads"]["blocks"]["mlp"]
     for key in ("w_gate", "w_up", "w_down"):
@@ -258,3 +267,35 @@ def test_active_parameters_count_k_of_the_experts():
     stats = shapes["router_stats"].size
     total = model.count_params(cfg)
     assert model.count_params(cfg, active=True) == total - (cfg.n_experts - cfg.experts_per_token) * expert - stats
+
+
+def test_expert_parallel_step_moves_tokens_not_expert_gradients():
+    """The compiled step on (4, 1, 1), one expert per data rank: per MoE layer two all-to-alls of
+    the tokens' hidden states forward and their two transposes backward (plus one of int32 expert
+    ids), each a fixed buffer of rows x d_model per destination rank; the only data-axis
+    reductions are the dense parameters' gradients (and the loss): the experts' never are."""
+    cfg = moe_run(4, 1, 1).replace(parallel={"microbatches": 1})
+    mesh = make_mesh(cfg, jax.devices()[:4])
+    program = build(cfg, mesh)
+    spec = program.layout.params["blocks"]["mlp"]["w_gate"]
+    assert "data" in jax.tree.leaves(tuple(spec))  # each rank stores its experts only
+    r = analyze(program.step.lower(program.abstract_state(), program.abstract_batch()).compile(), mesh)
+    m, D, L, d, k = cfg.model, cfg.model.d_model, cfg.model.n_layers, 4, cfg.model.experts_per_token
+    tokens = cfg.train.global_batch // d * m.seq_len
+    rows = tokens * min(k, m.n_experts // d)  # a destination's worst case (dropless)
+    hidden = [c for c in r.select(kind="all-to-all", spans="data") if c.bytes == d * rows * D * 4]
+    ids = [c for c in r.select(kind="all-to-all", spans="data") if c.bytes == d * rows * 4]
+    assert len(hidden) + len(ids) == len(r.select(kind="all-to-all")), r.table()
+    assert sum(c.executions for c in hidden) == 4 * L and sum(c.executions for c in ids) == L, r.table()
+    shapes = model.param_shapes(m)
+    dense = sum(x.size * 4 for x in jax.tree.leaves(shapes)) - sum(
+        shapes["blocks"]["mlp"][key].size * 4 for key in ("w_gate", "w_up", "w_down"))
+    reduced = r.traffic(kind=("all-reduce", "reduce-scatter"), spans="data")
+    assert dense <= reduced <= dense + 64, r.table()  # (+ the loss and the NaN guard's scalars)
+
+
+def test_experts_must_divide_over_data():
+    cfg = moe_run(1, 1, 1)
+    with pytest.raises(ConfigError, match="n_experts = 4 is not divisible by mesh.data = 8"):
+        check_sizes(cfg, (8, 1, 1))
+    check_sizes(cfg.replace(parallel={"expert_parallel": False}), (8, 1, 1))

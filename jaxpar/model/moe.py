@@ -131,11 +131,21 @@ class MoE(nnx.Module):
         axes = (*varying_axes(logits_BxTxE), *varying_axes(self.router_stats[...]))
         logits_BxTxE = _router_losses(vary(logits_BxTxE, axes), vary(self.router_stats[...], axes), bias, cfg, weight)
         gates_BxTxK, experts_BxTxK = route(cfg, logits_BxTxE, bias)
-        if cfg.capacity_factor is not None:
-            gates_BxTxK = gates_BxTxK * keep_mask(cfg, experts_BxTxK)
+        keep_BxTxK = keep_mask(cfg, experts_BxTxK) if cfg.capacity_factor is not None else None
         x_NxD = x_BxTxD.reshape(B * T, D)
-        y_NxD = experts_dropless(x_NxD, experts_BxTxK.reshape(B * T, k), gates_BxTxK.reshape(B * T, k).astype(dt),
-                                 self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
+        weights = (self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
+        experts_NxK = experts_BxTxK.reshape(B * T, k)
+        if weights[0].shape[0] < E:  # this data rank holds E / d of the experts: expert parallelism
+            rows = B * T * min(k, weights[0].shape[0])  # a destination's worst case: every token's choices
+            if cfg.capacity_factor is not None:  # or every local expert full in every sequence
+                rows = min(rows, weights[0].shape[0] * capacity(cfg, T) * B)
+            keep = None if keep_BxTxK is None else keep_BxTxK.reshape(B * T, k)
+            y_NxD = experts_parallel(x_NxD, experts_NxK, gates_BxTxK.reshape(B * T, k).astype(dt), keep, *weights,
+                                     n_experts=E, rows=rows)
+        else:
+            if keep_BxTxK is not None:
+                gates_BxTxK = gates_BxTxK * keep_BxTxK
+            y_NxD = experts_dropless(x_NxD, experts_NxK, gates_BxTxK.reshape(B * T, k).astype(dt), *weights)
         out_BxTxD = y_NxD.reshape(B, T, D)
         if cfg.n_shared_experts:
             h = jax.nn.silu(linear(x_BxTxD, self.shared_gate[...].astype(dt))) * linear(x_BxTxD, self.shared_up[...].astype(dt))
@@ -193,6 +203,47 @@ def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_
     ys = jax.lax.ragged_dot(h, w_down_ExFxD, sizes)
     y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
     return jnp.einsum("nkd,nk->nd", y.reshape(N, k, -1), gates_NxK)
+
+
+def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_down, *, n_experts: int, rows: int
+                     ) -> jax.Array:
+    """`experts_dropless` with the experts split over the manual `data` axis (this rank holds
+    experts [r·El, (r+1)·El), El = n_experts / d): each assignment travels to its expert's rank
+    by an all-to-all, the rank runs its experts as grouped matmuls over what arrived from every
+    rank, and the results travel back by a second all-to-all (their transposes, two more, in the
+    backward pass). A fixed buffer of `rows` rows per destination rank (XLA:CPU has no ragged
+    all-to-all): the worst case, so no assignment is ever dropped; dropped ones (capacity mode,
+    `keep_NxK` 0) are not sent."""
+    N, k = experts_NxK.shape
+    D = x_NxD.shape[1]
+    El = w_gate.shape[0]
+    d = n_experts // El
+    axes = varying_axes(x_NxD)
+    flat = experts_NxK.reshape(N * k)
+    valid = jnp.ones((N * k,), bool) if keep_NxK is None else keep_NxK.reshape(N * k) > 0
+    dest = jnp.where(valid, flat // El, d)  # d: not sent
+    # Each assignment's row in its destination's buffer: its place among the valid assignments
+    # to that rank, in order of expert (so that each rank's rows arrive grouped by expert).
+    order = jnp.argsort(jnp.where(valid, flat, n_experts), stable=True)
+    counts = jnp.sum(jax.nn.one_hot(dest, d, dtype=jnp.int32), axis=0)
+    starts = jnp.cumsum(counts) - counts
+    slot_sorted = jnp.arange(N * k) - jnp.take(jnp.concatenate([starts, jnp.zeros((1,), starts.dtype)]), dest[order])
+    slot = jnp.zeros((N * k,), jnp.int32).at[order].set(slot_sorted.astype(jnp.int32), unique_indices=True)
+    index = jnp.where(valid, dest * rows + slot, d * rows)  # d * rows: out of bounds, dropped by the scatter
+    token = jnp.arange(N * k) // k
+    send = vary(jnp.zeros((d * rows, D), x_NxD.dtype), axes).at[index].set(x_NxD[token], mode="drop")
+    send_e = vary(jnp.full((d * rows,), El, jnp.int32), axes).at[index].set(flat % El, mode="drop")
+    recv = jax.lax.all_to_all(send, "data", 0, 0, tiled=True)  # [d * rows, D]: rows from rank 0, 1, ...
+    recv_e = jax.lax.all_to_all(send_e, "data", 0, 0, tiled=True)  # local expert of each row; El: empty
+    local = jnp.argsort(recv_e, stable=True)  # grouped by local expert, empty rows last
+    sizes = jnp.sum(jax.nn.one_hot(recv_e, El, dtype=jnp.int32), axis=0)
+    xs = recv[local]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
+    ys = jax.lax.ragged_dot(h, w_down, sizes)  # (rows past the groups come out 0)
+    y_recv = jnp.zeros_like(ys).at[local].set(ys, unique_indices=True)
+    back = jax.lax.all_to_all(y_recv, "data", 0, 0, tiled=True)  # each row back where it was sent from
+    y = jnp.where(valid[:, None], jnp.take(back, jnp.minimum(index, d * rows - 1), axis=0), 0)
+    return jnp.einsum("nkd,nk->nd", y.reshape(N, k, D), gates_NxK)
 
 
 # --------------------------------------------------------------------------------------------

@@ -199,8 +199,9 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
                 params = jax.tree.map(_gather, params, layout.zero_dims)
             params = jax.tree.map(_varying, params)
         loss, g = accumulate(params, params, batch)
-        if dp:
-            g = jax.tree.map(lambda x, dim: _reduce(x, dim if zero >= 1 else None), g, layout.zero_dims)
+        if dp:  # (an expert-parallel leaf's gradient is complete on its rank: not reduced)
+            g = jax.tree.map(lambda x, dim, e: x if e else _reduce(x, dim if zero >= 1 else None), g, layout.zero_dims,
+                             layout.experts, is_leaf=lambda x: x is None or isinstance(x, int))
         return _finish(loss, g)
 
     def _finish(loss, g):

@@ -409,8 +409,11 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             (_, _, _, _, g_blocks, g_shared, loss), _ = jax.lax.scan(tick, carry, rows)
         g_blocks = unflat(g_blocks)
         # The one reduction per step, after the tick loop.
-        g_blocks = jax.tree.map(lambda g, w, dim: reduce_data(g.reshape(-1, *g.shape[2:]), dim).astype(w.dtype),
-                                g_blocks, params["blocks"], layout.zero_dims["blocks"])
+        # (An expert-parallel leaf's gradient is complete on its data rank: not reduced.)
+        g_blocks = jax.tree.map(lambda g, w, dim, e: (g.reshape(-1, *g.shape[2:]) if e else
+                                                      reduce_data(g.reshape(-1, *g.shape[2:]), dim)).astype(w.dtype),
+                                g_blocks, params["blocks"], layout.zero_dims["blocks"], layout.experts["blocks"],
+                                is_leaf=lambda x: x is None or isinstance(x, int))
         g_shared = {k: jax.tree.map(lambda g, w, dim, sdim: _reduce_stage(reduce_data(g, dim), sdim).astype(w.dtype),
                                     g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k])
                     for k in g_shared}

@@ -67,6 +67,9 @@ class Layout:
     zero_dims: Any
     gather_dims: dict  # (names, shape of a shard) -> its data-sharded dim, for a shard met by name
     stage_dims: Any = None  # per leaf, the dim sharded over `stage` (shared leaves of a pipeline) or None
+    # Per leaf, whether its storage splits it over `data` already (MoE expert parallelism): each
+    # data rank holds its own experts, whose gradients are complete there and never reduced.
+    experts: Any = None
 
     def gather_dim(self, names: tuple[str, ...], shard_shape: tuple[int, ...]) -> int:
         """The data-sharded dim of a parameter shard with logical `names` (one layer's, or stacked)."""
@@ -107,10 +110,12 @@ def make_layout(cfg: Config, mesh: Mesh, names: Any, shapes: Any) -> Layout:
     def split(spec: P) -> tuple[int, ...]:
         return tuple(math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax or ())) for ax in spec)
 
-    dims = jax.tree.map(lambda n, s, b: zero_dim(n, s.shape, split(b), data, min_elements), names, shapes, base,
-                        is_leaf=_is_names)
+    # Leaves that expert parallelism splits over `data` already (`experts` on `data`) take no ZeRO dim.
+    experts = jax.tree.map(lambda b: "data" in _axes_of(b), base, is_leaf=lambda x: isinstance(x, P))
+    dims = jax.tree.map(lambda n, s, b, e: None if e else zero_dim(n, s.shape, split(b), data, min_elements),
+                        names, shapes, base, experts, is_leaf=_is_names)
     if zero == 3 and data > 1:  # on one data shard there is nothing to shard: ZeRO-3 is plain replication
-        _refuse_replicated(names, shapes, dims, data, min_elements)
+        _refuse_replicated(names, shapes, dims, data, min_elements, experts)
 
     def stage(min_zero: int) -> Any:
         return jax.tree.map(lambda b, d: _with_data(b, d) if zero >= min_zero else b, base, dims,
@@ -126,7 +131,11 @@ def make_layout(cfg: Config, mesh: Mesh, names: Any, shapes: Any) -> Layout:
                          names, shapes, base, dims, is_leaf=_is_names)
     with_stage = lambda tree: jax.tree.map(_with_stage, tree, sdims, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
     return Layout(zero=zero, params=with_stage(stage(3)), grads=with_stage(moments), moments=with_stage(moments),
-                  zero_dims=dims, gather_dims=gather_dims, stage_dims=sdims)
+                  zero_dims=dims, gather_dims=gather_dims, stage_dims=sdims, experts=experts)
+
+
+def _axes_of(spec: P) -> tuple[str, ...]:
+    return tuple(a for ax in spec for a in ((ax,) if isinstance(ax, str) else ax or ()))
 
 
 def _stage_dim(names: tuple[str, ...], shape: tuple[int, ...], split: tuple[int, ...], zero_dim: int | None,
@@ -174,13 +183,15 @@ def _gather_dims(names: Any, shapes: Any, specs: Any, dims: Any, mesh: Mesh) -> 
     return out
 
 
-def _refuse_replicated(names, shapes, dims, data, min_elements) -> None:
+def _refuse_replicated(names, shapes, dims, data, min_elements, experts) -> None:
     flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
     flat_names = jax.tree.leaves(names, is_leaf=_is_names)
     flat_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, int))
-    for (path, shape), n, d in zip(flat, flat_names, flat_dims):
-        # (An MoE router's bias and report, a few numbers per expert, may stay replicated.)
-        if d is None and math.prod(shape.shape) >= min_elements and tuple(x for x in n if x != "layers") != ("router",):
+    for (path, shape), n, d, e in zip(flat, flat_names, flat_dims, jax.tree.leaves(experts)):
+        # (An MoE router's bias and report, a few numbers per expert, may stay replicated; experts
+        # split over `data` by expert parallelism are sharded already.)
+        if (d is None and not e and math.prod(shape.shape) >= min_elements
+                and tuple(x for x in n if x != "layers") != ("router",)):
             leaf = jax.tree_util.keystr(path, simple=True, separator=".")
             raise ConfigError(
                 f"parameter {leaf} {tuple(shape.shape)} (dims {', '.join(n)}) would stay replicated under "
