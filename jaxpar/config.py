@@ -96,7 +96,7 @@ class ModelConfig:
     xla (the reference einsum-softmax path), cudnn (fail if cuDNN cannot run it)."""
     n_experts: int = 0
     """Mixture of experts: routed experts per MLP (0: a dense MLP, the default). Every layer's MLP
-    becomes an MoE layer (`jaxpar.model.moe`, DESIGN.md §11); llama architecture only."""
+    becomes an MoE layer (`jaxpar.model.moe`, DESIGN.md §10); llama architecture only."""
     experts_per_token: int = 2
     """MoE: experts each token is routed to (top-k; Mixtral 2, Qwen3-MoE 8)."""
     expert_d_ff: int | None = None

@@ -80,7 +80,7 @@ def _kv_heads_axis(cfg: Config, mesh: Mesh) -> Axis:
 
 def _experts_axis(cfg: Config, mesh: Mesh) -> Axis:
     """Expert parallelism (`parallel.expert_parallel`, MoE, data > 1): each data rank stores
-    n_experts / data of every MoE layer's experts (`jaxpar.model.moe`, DESIGN.md §11)."""
+    n_experts / data of every MoE layer's experts (`jaxpar.model.moe`, DESIGN.md §10)."""
     on = cfg.model.moe and cfg.parallel.expert_parallel and mesh.shape["data"] > 1
     return "data" if on else None
 
@@ -339,6 +339,13 @@ def tensor_parallel_size() -> int:
     """The number of model ranks the traced model is split over (1 without manual tensor parallelism)."""
     tp = _tp()
     return 1 if tp is None else tp.t
+
+
+def exchange_experts(rows: jax.Array) -> jax.Array:
+    """MoE expert parallelism (the layer's experts split over the manual `data` axis, d ranks):
+    rows [d·R, ...] in d blocks, block j for rank j, come back as d blocks, block i from rank i
+    (an all-to-all over `data`; its transpose is another)."""
+    return jax.lax.all_to_all(rows, "data", 0, 0, tiled=True)
 
 
 def enter_tp(x_BxTxD: jax.Array) -> jax.Array:

@@ -8,7 +8,7 @@ With `model.capacity_factor` each expert takes at most C = ceil(c x T x k / E) t
 sequence (the group does not depend on the mesh, so every mesh computes the same function), the
 assignments beyond it are dropped (top-1 choices first, then by position, as Switch does).
 
-Router losses without plumbing (DESIGN.md §11): the load-balancing loss and the z-loss of a layer
+Router losses without plumbing (DESIGN.md §10): the load-balancing loss and the z-loss of a layer
 are functions of its router logits only, so their gradient enters where the logits are made, by
 a custom VJP (identity forward; backward adds the losses' gradient). Every executor (gradient
 accumulation, every pipeline schedule, data and tensor parallelism) then differentiates the
@@ -35,7 +35,8 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.layers import linear, param
-from jaxpar.sharding import constrain, exit_tp, tensor_parallel_size, varying_axes, vary, zeros_like_varying
+from jaxpar.sharding import (constrain, exchange_experts, exit_tp, tensor_parallel_size, varying_axes, vary,
+                             zeros_like_varying)
 
 # The per-layer statistics the router reports (`router_stats` holds n_experts loads, then these).
 STATS = ("aux_loss", "z_loss", "dropped")
@@ -207,7 +208,7 @@ def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_
 
 def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_down, *, n_experts: int, rows: int
                      ) -> jax.Array:
-    """`experts_dropless` with the experts split over the manual `data` axis (this rank holds
+    """`experts_dropless` with the experts split over the data ranks (this rank holds
     experts [r·El, (r+1)·El), El = n_experts / d): each assignment travels to its expert's rank
     by an all-to-all, the rank runs its experts as grouped matmuls over what arrived from every
     rank, and the results travel back by a second all-to-all (their transposes, two more, in the
@@ -233,15 +234,15 @@ def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_do
     token = jnp.arange(N * k) // k
     send = vary(jnp.zeros((d * rows, D), x_NxD.dtype), axes).at[index].set(x_NxD[token], mode="drop")
     send_e = vary(jnp.full((d * rows,), El, jnp.int32), axes).at[index].set(flat % El, mode="drop")
-    recv = jax.lax.all_to_all(send, "data", 0, 0, tiled=True)  # [d * rows, D]: rows from rank 0, 1, ...
-    recv_e = jax.lax.all_to_all(send_e, "data", 0, 0, tiled=True)  # local expert of each row; El: empty
+    recv = exchange_experts(send)  # [d * rows, D]: rows from rank 0, 1, ...
+    recv_e = exchange_experts(send_e)  # the local expert of each row; El: an empty row
     local = jnp.argsort(recv_e, stable=True)  # grouped by local expert, empty rows last
     sizes = jnp.sum(jax.nn.one_hot(recv_e, El, dtype=jnp.int32), axis=0)
     xs = recv[local]
     h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
     ys = jax.lax.ragged_dot(h, w_down, sizes)  # (rows past the groups come out 0)
     y_recv = jnp.zeros_like(ys).at[local].set(ys, unique_indices=True)
-    back = jax.lax.all_to_all(y_recv, "data", 0, 0, tiled=True)  # each row back where it was sent from
+    back = exchange_experts(y_recv)  # each row back where it was sent from
     y = jnp.where(valid[:, None], jnp.take(back, jnp.minimum(index, d * rows - 1), axis=0), 0)
     return jnp.einsum("nkd,nk->nd", y.reshape(N, k, D), gates_NxK)
 
