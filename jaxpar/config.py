@@ -181,6 +181,11 @@ class ParallelConfig:
     experts and back by all-to-alls over `data`, and expert weights (and their optimizer state)
     are never reduced over `data`. false: every data rank holds every expert, whose gradients are
     reduced like the other weights'."""
+    expert_tensor_parallel: bool = True
+    """MoE under tensor parallelism (model > 1): true splits each expert's width over `model`
+    (Megatron's expert-TP layout: the layer's input gathered, its output reduced, as a dense MLP);
+    false keeps every expert whole on every model rank and routes each rank's own sequence shard
+    (needs parallel.sequence_parallel: no activation collective over `model` for the routed experts)."""
     schedule: Literal["gpipe", "1f1b", "1f1b_lockstep", "1f1b_one_action", "interleaved_1f1b", "zb_h1"] = "1f1b"
     """Pipeline schedule (mesh.stage > 1): gpipe, 1f1b (Megatron's order and memory, backward split
     into I and W), 1f1b_lockstep (one F and one fused B per tick), 1f1b_one_action, interleaved_1f1b,
@@ -694,7 +699,12 @@ def check_model_axis(cfg: Config, t: int) -> None:
     _require(m.d_ff % t == 0,
              f"model.d_ff = {m.d_ff} is not divisible by mesh.model = {t} (tensor parallelism splits the MLP "
              f"width); choose d_ff as a multiple of {t}, e.g. {-(-m.d_ff // t) * t}.")
-    _require(not m.moe or m.expert_width % t == 0,
+    etp = cfg.parallel.expert_tensor_parallel
+    _require(not m.moe or etp or cfg.parallel.sequence_parallel,
+             f"parallel.expert_tensor_parallel = false with mesh.model = {t} keeps every expert whole on each model "
+             "rank, which then routes its own sequence shard; set parallel.sequence_parallel=true, or "
+             "expert_tensor_parallel=true to split the experts over model.")
+    _require(not m.moe or not etp or m.expert_width % t == 0,
              f"model.expert_d_ff = {m.expert_width} is not divisible by mesh.model = {t} (tensor parallelism "
              f"splits each expert's width); choose expert_d_ff as a multiple of {t}, e.g. {-(-m.expert_width // t) * t}.")
     _require(m.padded_vocab % t == 0,

@@ -85,6 +85,11 @@ def _experts_axis(cfg: Config, mesh: Mesh) -> Axis:
     return "data" if on else None
 
 
+def _expert_mlp_axis(cfg: Config) -> Axis:
+    """Each expert's width on `model` (expert tensor parallelism), or whole on every model rank."""
+    return "model" if cfg.parallel.expert_tensor_parallel else None
+
+
 def storage_rules(cfg: Config, mesh: Mesh) -> Rules:
     """Where parameters, gradients and optimizer state live (before ZeRO, `jaxpar.parallel.zero`).
 
@@ -95,7 +100,7 @@ def storage_rules(cfg: Config, mesh: Mesh) -> Rules:
     return Rules({
         "batch": None, "seq": None, "sp_seq": None, "pos": None, "embed": None, "head_dim": None,
         "heads": "model", "kv_heads": _kv_heads_axis(cfg, mesh), "mlp": "model", "vocab": "model",
-        "layers": "stage", "experts": _experts_axis(cfg, mesh), "expert_mlp": "model", "router": None,
+        "layers": "stage", "experts": _experts_axis(cfg, mesh), "expert_mlp": _expert_mlp_axis(cfg), "router": None,
     })
 
 
@@ -106,7 +111,7 @@ def compute_rules(cfg: Config, mesh: Mesh) -> Rules:
         "batch": "data", "seq": None, "sp_seq": "model" if cfg.parallel.sequence_parallel else None,
         "pos": None, "embed": None, "head_dim": None,
         "heads": "model", "kv_heads": _kv_heads_axis(cfg, mesh), "mlp": "model", "vocab": "model",
-        "layers": None, "experts": None, "expert_mlp": "model", "router": None,
+        "layers": None, "experts": None, "expert_mlp": _expert_mlp_axis(cfg), "router": None,
     })
 
 
@@ -339,6 +344,25 @@ def tensor_parallel_size() -> int:
     """The number of model ranks the traced model is split over (1 without manual tensor parallelism)."""
     tp = _tp()
     return 1 if tp is None else tp.t
+
+
+def sequence_shards() -> int:
+    """How many model ranks split the sequence of the residual stream (sequence parallelism), else 1."""
+    tp = _tp()
+    return tp.t if tp is not None and tp.sequence_parallel else 1
+
+
+def gather_sequence_shards(x: jax.Array) -> jax.Array:
+    """`x` of every sequence shard, stacked in sequence order [shards, ...] (an all-gather over
+    `model` under sequence parallelism; [1, ...] without it)."""
+    if sequence_shards() == 1:
+        return x[None]
+    return jax.lax.all_gather(x, _tp().axis)
+
+
+def sequence_shard_index() -> jax.Array | int:
+    """This rank's place in the sequence (0 without sequence parallelism)."""
+    return 0 if sequence_shards() == 1 else jax.lax.axis_index(_tp().axis)
 
 
 def exchange_experts(rows: jax.Array) -> jax.Array:

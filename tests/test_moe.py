@@ -148,14 +148,15 @@ def test_router_stats_report_the_loads_and_losses():
 # Parity with one device
 
 
-def moe_run(d, p, t, *, schedule="1f1b", zero=0, expert_parallel=True, **model):
+def moe_run(d, p, t, *, schedule="1f1b", zero=0, expert_parallel=True, expert_tensor_parallel=True, **model):
     return from_dict({
         "model": {"n_layers": 4, "d_model": 32, "n_heads": 4, "d_ff": 64, "vocab_size": 64, "seq_len": 16,
                   "n_experts": 4, "experts_per_token": 2, "expert_d_ff": 32, "router_aux_loss": 0.05,
                   "router_z_loss": 0.01, **model},
         "mesh": {"data": d, "stage": p, "model": t},
         "parallel": {"schedule": schedule, "microbatches": max(p, 2), "zero": zero, "zero_min_elements": 0,
-                     "sequence_parallel": t > 1, "expert_parallel": expert_parallel},
+                     "sequence_parallel": t > 1, "expert_parallel": expert_parallel,
+                     "expert_tensor_parallel": expert_tensor_parallel},
         "train": {"steps": 3, "global_batch": 16, "lr": 1e-2, "warmup_steps": 1},
     })
 
@@ -179,6 +180,7 @@ PARITY = [  # (mesh, schedule, zero, model options)
     ((4, 1, 2), "1f1b", 0, {"router": "sigmoid_bias", "experts_per_token": 1}),
     ((1, 4, 2), "zb_h1", 2, {"capacity_factor": 1.0}),
     ((4, 2, 1), "1f1b", 2, {"capacity_factor": 1.0, "experts_per_token": 1}),
+    ((2, 1, 4), "1f1b", 1, {"expert_tensor_parallel": False, "capacity_factor": 1.0, "n_shared_experts": 1}),
 ]
 PARITY_SLOW = [
     ((2, 1, 4), "1f1b", 3, {}),
@@ -189,14 +191,15 @@ PARITY_SLOW = [
     ((2, 2, 2), "zb_h1", 1, {"router": "sigmoid_bias", "n_shared_experts": 1}),
     ((8, 1, 1), "1f1b", 1, {"expert_parallel": False}),
     ((2, 1, 4), "1f1b", 1, {"capacity_factor": 1.25, "n_shared_experts": 1}),
+    ((2, 2, 2), "1f1b", 3, {"expert_tensor_parallel": False, "capacity_factor": 0.75, "router": "sigmoid_bias"}),
+    ((1, 4, 2), "zb_h1", 0, {"expert_tensor_parallel": False}),
 ]
 
 
 def _parity(mesh, schedule, zero, options):
     v = 2 if schedule == "interleaved_1f1b" else 1
     cfg = moe_run(*mesh, schedule=schedule, zero=zero, **options)
-    if v > 1:
-        cfg = cfg.replace(model={"n_layers": 8}, parallel={"virtual_stages": v})
+    cfg = cfg.replace(model={"n_layers": max(4, mesh[1] * v)}, parallel={"virtual_stages": v})
     ref = reference_run(cfg)
     out = run_steps(cfg)
     assert_parity(out, ref)
@@ -299,3 +302,34 @@ def test_experts_must_divide_over_data():
     with pytest.raises(ConfigError, match="n_experts = 4 is not divisible by mesh.data = 8"):
         check_sizes(cfg, (8, 1, 1))
     check_sizes(cfg.replace(parallel={"expert_parallel": False}), (8, 1, 1))
+
+
+def test_replicated_experts_route_the_sequence_shard_without_model_collectives():
+    """`expert_tensor_parallel: false` under sequence parallelism: the routed experts run on each
+    model rank's own sequence shard, so the MLP's all-gather and reduce-scatter of activations
+    over `model` (one each way per layer, forward and backward) are gone; only attention's remain,
+    and per layer one all-gather of the shards' expert counts (the load-balancing loss's loads are
+    the whole sequence's) in the backward pass."""
+    base = moe_run(1, 1, 2)
+    m, B = base.model, base.train.global_batch
+    activation = B * m.seq_len * m.d_model * 4
+
+    def model_collectives(etp):
+        cfg = moe_run(1, 1, 2, expert_tensor_parallel=etp).replace(parallel={"microbatches": 1})
+        mesh = make_mesh(cfg, jax.devices()[:2])
+        program = build(cfg, mesh)
+        r = analyze(program.step.lower(program.abstract_state(), program.abstract_batch()).compile(), mesh)
+        return r.select(kind=("all-gather", "reduce-scatter"), axes="model", in_loop=True)
+
+    split, whole = model_collectives(True), model_collectives(False)
+    # Activations: all-gathered whole, reduce-scattered to a half (t = 2).
+    big = lambda cs: sum(c.executions for c in cs if c.bytes in (activation, activation // 2))  # noqa: E731
+    assert big(split) == 8 * m.n_layers and big(whole) == 4 * m.n_layers, (big(split), big(whole))
+    counts = [c for c in whole if c.bytes not in (activation, activation // 2)]
+    assert sum(c.executions for c in counts) == m.n_layers and all(c.bytes == 2 * B * m.n_experts * 4 for c in counts)
+
+
+def test_replicated_experts_need_sequence_parallelism():
+    cfg = moe_run(1, 1, 2, expert_tensor_parallel=False).replace(parallel={"sequence_parallel": False})
+    with pytest.raises(ConfigError, match="set parallel.sequence_parallel=true"):
+        check_sizes(cfg, (1, 1, 2))

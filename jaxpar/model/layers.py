@@ -355,6 +355,8 @@ class Block(nnx.Module):
         # reduces its row-parallel output back onto the residual (`exit_tp`): per sub-layer one
         # all-reduce each way, or a reduce-scatter + all-gather pair under SP.
         x_BxTxD = x_BxTxD + self.attn(enter_tp(self.attn_norm(x_BxTxD)))
+        if getattr(self.mlp, "routes_sequence_shard", lambda: False)():  # MoE, experts whole on each model rank
+            return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), sequence_shard=True)
         return x_BxTxD + self.mlp(enter_tp(self.mlp_norm(x_BxTxD)))
 
 

@@ -35,7 +35,8 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.layers import linear, param
-from jaxpar.sharding import (constrain, exchange_experts, exit_tp, tensor_parallel_size, varying_axes, vary,
+from jaxpar.sharding import (constrain, enter_tp, exchange_experts, exit_tp, gather_sequence_shards,
+                             sequence_shard_index, sequence_shards, tensor_parallel_size, varying_axes, vary,
                              zeros_like_varying)
 
 # The per-layer statistics the router reports (`router_stats` holds n_experts loads, then these).
@@ -116,30 +117,41 @@ class MoE(nnx.Module):
             self.router_bias = param(None, (E,), ("router",), jnp.float32)
         self.router_stats = param(None, (E + len(STATS),), ("router",), jnp.float32)
 
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    def routes_sequence_shard(self) -> bool:
+        """Under sequence parallelism with every expert whole on each model rank
+        (`parallel.expert_tensor_parallel: false`): this layer takes the rank's sequence shard of
+        the residual stream (no `enter_tp`) and returns its output for that shard."""
+        return sequence_shards() > 1 and self.w_gate[...].shape[-1] == self.cfg.expert_width
+
+    def __call__(self, x_BxTxD: jax.Array, *, sequence_shard: bool = False) -> jax.Array:
         cfg, dt = self.cfg, cfg_dtype(self.cfg)
         B, T, D = x_BxTxD.shape
         E, k = cfg.n_experts, cfg.experts_per_token
+        # The sequence is split into `shards` over `model` (sequence_shard): statistics per
+        # sequence are sums over the shards, and each rank's tokens are its own.
+        shards = sequence_shards() if sequence_shard else 1
         # Router in float32 (the softmax and the top-k see the precision they need).
         logits_BxTxE = jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         bias = self.router_bias[...] if cfg.router == "sigmoid_bias" else None
         n = _SEQUENCES.get()
         # Under tensor parallelism every model rank computes the same logits and their cotangents
         # are summed over `model`: each rank adds 1/t of the losses' gradient (and reports 1/t).
-        weight = 1.0 / ((B if n is None else n) * tensor_parallel_size())
+        # (Routing its own sequence shard, a rank's logits are its own: no 1/t.)
+        weight = 1.0 / ((B if n is None else n) * (1 if sequence_shard else tensor_parallel_size()))
         # (The stats leaf varies over the manual axes the logits vary over, so that its cotangent,
         # computed from them, is typed as it is; the cast's transpose sums it over those axes.)
         axes = (*varying_axes(logits_BxTxE), *varying_axes(self.router_stats[...]))
-        logits_BxTxE = _router_losses(vary(logits_BxTxE, axes), vary(self.router_stats[...], axes), bias, cfg, weight)
+        logits_BxTxE = _router_losses(vary(logits_BxTxE, axes), vary(self.router_stats[...], axes), bias, cfg, weight,
+                                      shards)
         gates_BxTxK, experts_BxTxK = route(cfg, logits_BxTxE, bias)
-        keep_BxTxK = keep_mask(cfg, experts_BxTxK) if cfg.capacity_factor is not None else None
+        keep_BxTxK = keep_mask(cfg, experts_BxTxK, shards) if cfg.capacity_factor is not None else None
         x_NxD = x_BxTxD.reshape(B * T, D)
         weights = (self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
         experts_NxK = experts_BxTxK.reshape(B * T, k)
         if weights[0].shape[0] < E:  # this data rank holds E / d of the experts: expert parallelism
             rows = B * T * min(k, weights[0].shape[0])  # a destination's worst case: every token's choices
             if cfg.capacity_factor is not None:  # or every local expert full in every sequence
-                rows = min(rows, weights[0].shape[0] * capacity(cfg, T) * B)
+                rows = min(rows, weights[0].shape[0] * capacity(cfg, T * shards) * B)
             keep = None if keep_BxTxK is None else keep_BxTxK.reshape(B * T, k)
             y_NxD = experts_parallel(x_NxD, experts_NxK, gates_BxTxK.reshape(B * T, k).astype(dt), keep, *weights,
                                      n_experts=E, rows=rows)
@@ -148,12 +160,19 @@ class MoE(nnx.Module):
                 gates_BxTxK = gates_BxTxK * keep_BxTxK
             y_NxD = experts_dropless(x_NxD, experts_NxK, gates_BxTxK.reshape(B * T, k).astype(dt), *weights)
         out_BxTxD = y_NxD.reshape(B, T, D)
+        if sequence_shard:  # the routed output is this shard's, whole; shared experts stay tensor-parallel
+            return out_BxTxD + (exit_tp(self.shared(enter_tp(x_BxTxD))) if cfg.n_shared_experts else 0)
         if cfg.n_shared_experts:
-            h = jax.nn.silu(linear(x_BxTxD, self.shared_gate[...].astype(dt))) * linear(x_BxTxD, self.shared_up[...].astype(dt))
-            h = constrain(h, ("batch", "seq", "mlp"))
-            out_BxTxD = out_BxTxD + linear(h, self.shared_down[...].astype(dt))
+            out_BxTxD = out_BxTxD + self.shared(x_BxTxD)
         # Row-parallel under tensor parallelism: expert and shared outputs are partial sums over `model`.
         return exit_tp(out_BxTxD)
+
+    def shared(self, x_BxTxD: jax.Array) -> jax.Array:
+        """The shared experts (one SwiGLU MLP), as a partial sum under tensor parallelism."""
+        dt = cfg_dtype(self.cfg)
+        h = jax.nn.silu(linear(x_BxTxD, self.shared_gate[...].astype(dt))) * linear(x_BxTxD, self.shared_up[...].astype(dt))
+        h = constrain(h, ("batch", "seq", "mlp"))
+        return linear(h, self.shared_down[...].astype(dt))
 
 
 def cfg_dtype(cfg: ModelConfig):
@@ -180,15 +199,25 @@ def capacity(cfg: ModelConfig, seq_len: int) -> int:
     return math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token / cfg.n_experts)
 
 
-def keep_mask(cfg: ModelConfig, experts_BxTxK: jax.Array) -> jax.Array:
+def keep_mask(cfg: ModelConfig, experts_BxTxK: jax.Array, shards: int = 1) -> jax.Array:
     """1 where an assignment fits its expert's capacity in its sequence, else 0 (float32). The
     assignments queue choice-major: every token's first choice, in sequence order, then every
-    second choice, and so on."""
+    second choice, and so on. With the sequence split into `shards` (this rank's tokens are one
+    shard), the queue runs over the whole sequence: the counts of the other shards are gathered."""
     B, T, k = experts_BxTxK.shape
-    onehot = jax.nn.one_hot(jnp.swapaxes(experts_BxTxK, 1, 2).reshape(B, k * T), cfg.n_experts, dtype=jnp.int32)
-    position = jnp.cumsum(onehot, axis=1) - 1  # [B, k*T, E]: place in its expert's queue
-    pos = jnp.sum(position * onehot, axis=-1).reshape(B, k, T)
-    return jnp.swapaxes(pos < capacity(cfg, T), 1, 2).astype(jnp.float32)
+    onehot = jax.nn.one_hot(jnp.swapaxes(experts_BxTxK, 1, 2), cfg.n_experts, dtype=jnp.int32)  # [B, k, T, E]
+    counts = jnp.sum(onehot, axis=2)  # [B, k, E]: this shard's assignments per choice and expert
+    earlier = jnp.zeros_like(counts)  # ... of the same choice in the shards before this one
+    total = counts
+    if shards > 1:
+        every = gather_sequence_shards(counts)  # [shards, B, k, E]
+        before = jnp.arange(shards) < sequence_shard_index()
+        earlier = jnp.sum(every * before[:, None, None, None], axis=0)
+        total = jnp.sum(every, axis=0)
+    queued = jnp.cumsum(total, axis=1) - total + earlier  # ahead of this shard's choice-j assignments
+    position = jnp.cumsum(onehot, axis=2) - onehot + queued[:, :, None, :]  # [B, k, T, E]
+    pos = jnp.sum(position * onehot, axis=-1)  # [B, k, T]: place in its expert's queue
+    return jnp.swapaxes(pos < capacity(cfg, T * shards), 1, 2).astype(jnp.float32)
 
 
 def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD) -> jax.Array:
@@ -251,22 +280,26 @@ def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_do
 # The router losses' gradient and the router's report, through one custom VJP
 
 
-def router_losses(cfg: ModelConfig, logits_BxTxE: jax.Array, bias: jax.Array | None
+def router_losses(cfg: ModelConfig, logits_BxTxE: jax.Array, bias: jax.Array | None, shards: int = 1
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per sequence [B]: the load-balancing loss, the z-loss, the dropped fraction, and the loads
-    [B, E] (the fraction of the sequence's assignments each expert received)."""
+    [B, E] (the fraction of the sequence's assignments each expert received). With the sequence
+    split into `shards` (these logits are one shard's), each is this shard's share: the shards'
+    values add up to the sequence's (the loss takes its loads from the whole sequence)."""
     E, k = cfg.n_experts, cfg.experts_per_token
     _, experts = route(cfg, jax.lax.stop_gradient(logits_BxTxE), bias)
-    T = logits_BxTxE.shape[1]
-    load_BxE = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(1, 2)) / (T * k)
+    T = logits_BxTxE.shape[1] * shards
+    counts_BxE = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(1, 2))
+    load_BxE = counts_BxE / (T * k)
+    seq_load = load_BxE if shards == 1 else jnp.sum(gather_sequence_shards(counts_BxE), axis=0) / (T * k)
     probs = (jax.nn.softmax(logits_BxTxE, axis=-1) if cfg.router == "softmax"
              else _normalized(jax.nn.sigmoid(logits_BxTxE)))
-    aux = E * jnp.sum(load_BxE * jnp.mean(probs, axis=1), axis=-1)
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxTxE, axis=-1)), axis=1)
+    aux = E * jnp.sum(seq_load * jnp.sum(probs, axis=1) / T, axis=-1)
+    z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_BxTxE, axis=-1)), axis=1) / T
     if cfg.capacity_factor is None:
         dropped = jnp.zeros_like(aux)
     else:
-        dropped = 1.0 - jnp.mean(keep_mask(cfg, experts), axis=(1, 2))
+        dropped = jnp.sum(1.0 - keep_mask(cfg, experts, shards), axis=(1, 2)) / (T * k)
     return aux, z, dropped, load_BxE
 
 
@@ -274,24 +307,24 @@ def _normalized(scores):
     return scores / jnp.sum(scores, axis=-1, keepdims=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _router_losses(logits, stats, bias, cfg, weight):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _router_losses(logits, stats, bias, cfg, weight, shards):
     return logits
 
 
-def _router_losses_fwd(logits, stats, bias, cfg, weight):
+def _router_losses_fwd(logits, stats, bias, cfg, weight, shards):
     return logits, (logits, stats, bias)
 
 
-def _router_losses_bwd(cfg, weight, res, g):
+def _router_losses_bwd(cfg, weight, shards, res, g):
     logits, stats, bias = res
 
     def objective(lg):
-        aux, z, _, _ = router_losses(cfg, lg, bias)
+        aux, z, _, _ = router_losses(cfg, lg, bias, shards)
         return weight * jnp.sum(cfg.router_aux_loss * aux + cfg.router_z_loss * z)
 
     d_logits = jax.grad(objective)(logits)
-    aux, z, dropped, load = router_losses(cfg, logits, bias)
+    aux, z, dropped, load = router_losses(cfg, logits, bias, shards)
     report = weight * jnp.concatenate([jnp.sum(load, axis=0), jnp.stack([jnp.sum(aux), jnp.sum(z), jnp.sum(dropped)])])
     report = vary(report.astype(stats.dtype), varying_axes(stats))
     return g + d_logits.astype(g.dtype), report, None if bias is None else zeros_like_varying(bias)
