@@ -33,9 +33,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.ad_checkpoint import checkpoint_name
+
 from jaxpar.config import ModelConfig
 from jaxpar.model.layers import linear, param
-from jaxpar.sharding import (constrain, enter_tp, exchange_experts, exit_tp, gather_sequence_shards,
+from jaxpar.sharding import (DOT_TAG, constrain, enter_tp, exchange_experts, exit_tp, gather_sequence_shards,
                              sequence_shard_index, sequence_shards, tensor_parallel_size, varying_axes, vary,
                              zeros_like_varying)
 
@@ -220,6 +222,13 @@ def keep_mask(cfg: ModelConfig, experts_BxTxK: jax.Array, shards: int = 1) -> ja
     return jnp.swapaxes(pos < capacity(cfg, T * shards), 1, 2).astype(jnp.float32)
 
 
+def grouped(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    """Rows grouped by expert times their expert's matrix (`jax.lax.ragged_dot`; rows past the
+    groups come out 0), named `DOT_TAG` so that remat `dots` saves it as it saves a dense matmul's
+    output (its policy does not see a ragged dot as a dot)."""
+    return checkpoint_name(jax.lax.ragged_dot(x_MxC, w_ExCxO, sizes_E), DOT_TAG)
+
+
 def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD) -> jax.Array:
     """sum_j gate_j x expert_{e_j}(x) for every token: the N*k assignments sorted by expert, each
     expert's SwiGLU as grouped matmuls over its run of rows, and the rows put back in order."""
@@ -229,8 +238,8 @@ def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = x_NxD[order // k]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate_ExDxF, sizes)) * jax.lax.ragged_dot(xs, w_up_ExDxF, sizes)
-    ys = jax.lax.ragged_dot(h, w_down_ExFxD, sizes)
+    h = jax.nn.silu(grouped(xs, w_gate_ExDxF, sizes)) * grouped(xs, w_up_ExDxF, sizes)
+    ys = grouped(h, w_down_ExFxD, sizes)
     y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
     return jnp.einsum("nkd,nk->nd", y.reshape(N, k, -1), gates_NxK)
 
@@ -268,8 +277,8 @@ def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_do
     local = jnp.argsort(recv_e, stable=True)  # grouped by local expert, empty rows last
     sizes = jnp.sum(jax.nn.one_hot(recv_e, El, dtype=jnp.int32), axis=0)
     xs = recv[local]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
-    ys = jax.lax.ragged_dot(h, w_down, sizes)  # (rows past the groups come out 0)
+    h = jax.nn.silu(grouped(xs, w_gate, sizes)) * grouped(xs, w_up, sizes)
+    ys = grouped(h, w_down, sizes)
     y_recv = jnp.zeros_like(ys).at[local].set(ys, unique_indices=True)
     back = exchange_experts(y_recv)  # each row back where it was sent from
     y = jnp.where(valid[:, None], jnp.take(back, jnp.minimum(index, d * rows - 1), axis=0), 0)
