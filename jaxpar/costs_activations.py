@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from jaxpar import model
 
-_TP_NAMES = ("heads", "mlp", "vocab")
+_TP_NAMES = ("heads", "mlp", "vocab", "expert_mlp")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -158,11 +158,12 @@ def _offloaded(mcfg, rows: int, t: int, sp: bool, remat: str, flash: bool, platf
     return int((c + e * rows) * mcfg.n_layers)
 
 
-def _tap_width(m, t: int) -> int:
+def _tap_width(m, t: int, mlp: bool = True) -> int:
     """Per token and layer, the elements of every weight matmul's input and output cotangent (what
-    the split backward's I keeps for W), tensor-parallel dims divided by t."""
+    the split backward's I keeps for W), tensor-parallel dims divided by t (without the MLP's if
+    not `mlp`: an MoE layer's are `jaxpar.costs_moe.tap_width`)."""
     qkv = (m.n_heads + 2 * m.kv_heads) * m.head_size // t
     attn = 3 * m.d_model + qkv + 2 * (m.n_heads * m.head_size // t) + m.d_model
     mats = 3 if m.arch == "llama" else 2  # up (and gate) and down
-    mlp = (mats - 1) * (m.d_model + m.d_ff // t) + m.d_ff // t + m.d_model
-    return attn + mlp
+    dense = (mats - 1) * (m.d_model + m.d_ff // t) + m.d_ff // t + m.d_model
+    return attn + dense * mlp
