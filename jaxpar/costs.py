@@ -16,11 +16,13 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from jaxpar import model
 from jaxpar.config import Config, validate
+# Activations: what JAX saves for the backward pass, at the per-device shapes of a candidate.
+from jaxpar.costs_activations import _activations, _offloaded, _tap_width, saved_activation_bytes  # noqa: F401
+from jaxpar import costs_moe
 from jaxpar.mesh import AXES, check_sizes
 from jaxpar.parallel.gradients import reduce_at_use
 from jaxpar.parallel.zero import make_layout, state_bytes
@@ -83,7 +85,9 @@ def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     params / grads / optimizer (jaxpar.parallel.zero.state_bytes), `local` (the parameters after
     tensor and pipeline splitting, before ZeRO), `sharded` (of `local`, the leaves ZeRO shards
     over data), `blocks_sharded` (of those, the stacked block leaves), `blocks` (all block leaves),
-    `staged` (of `local`, the shared leaves a pipeline stores sharded over `stage`)."""
+    `staged` (of `local`, the shared leaves a pipeline stores sharded over `stage`), `experts` (of
+    `local`, the expert weights expert parallelism splits over data: this rank's E/d experts,
+    never ZeRO-sharded nor reduced over data; 0 without it, `jaxpar.costs_moe`)."""
     layout, mesh = _layout(cfg, shape)
     shapes = model.param_shapes(cfg.model)
     # Adam: two moments in the parameter dtype; with master weights, master and moments in float32
@@ -95,15 +99,27 @@ def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
                         layout.stage_dims, is_leaf=lambda x: isinstance(x, P))
     out = {"params": acct["params"]["per_device"], "grads": acct["grads"]["per_device"],
            "optimizer": acct["optimizer"]["per_device"]}
-    out.update(local=0, sharded=0, blocks_sharded=0, blocks=0, staged=0)
+    out.update(local=0, sharded=0, blocks_sharded=0, blocks=0, staged=0, experts=0)
+    ep, d = costs_moe.expert_parallel(cfg, mesh.shape["data"]), mesh.shape["data"]
+    flat_names = jax.tree.leaves(model.param_names(cfg.model), is_leaf=lambda x: isinstance(x, tuple))
+    specs = [jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, P)) for tree in (layout.params, layout.grads,
+                                                                                      layout.moments)]
     flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
     flat_base = jax.tree.leaves(base, is_leaf=lambda x: isinstance(x, P))
     flat_dims = jax.tree.leaves(layout.zero_dims, is_leaf=lambda x: x is None or isinstance(x, int))
     flat_sdims = jax.tree.leaves(layout.stage_dims, is_leaf=lambda x: x is None or isinstance(x, int))
-    for (path, s), spec, dim, sdim in zip(flat_shapes, flat_base, flat_dims, flat_sdims):
-        split = math.prod(mesh.shape[a] for ax in spec for a in ((ax,) if isinstance(ax, str) else ax or ()))
-        nbytes = s.size * s.dtype.itemsize // split
+    for (path, s), spec, dim, sdim, names, *stored in zip(flat_shapes, flat_base, flat_dims, flat_sdims, flat_names,
+                                                           *specs):
+        nbytes = _leaf_bytes(s, spec, mesh)
         is_block = path[0].key == "blocks"
+        if ep and costs_moe.is_expert_leaf(names):
+            # Expert parallelism: this rank's E/d experts, whatever the ZeRO layout says of the leaf.
+            nbytes, dim = nbytes // d, None
+            out["experts"] += nbytes
+            params, grads, moments = (_leaf_bytes(s, x, mesh) for x in stored)
+            out["params"] += nbytes - params
+            out["grads"] += nbytes - (grads if layout.zero >= 2 else s.size * s.dtype.itemsize)
+            out["optimizer"] += per_param * (nbytes - moments)
         out["local"] += nbytes
         out["blocks"] += nbytes * is_block
         out["staged"] += nbytes * (sdim is not None)
@@ -113,169 +129,17 @@ def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     return out
 
 
+def _leaf_bytes(s, spec: P, mesh) -> int:
+    """Bytes of one device's part of a leaf of shape `s` laid out as `spec` on `mesh`."""
+    split = math.prod(mesh.shape[a] for ax in spec for a in ((ax,) if isinstance(ax, str) else ax or ()))
+    return s.size * s.dtype.itemsize // split
+
+
 def _strip_data(spec: P, also: str | None = None) -> P:
     def drop(ax):
         kept = tuple(a for a in ((ax,) if isinstance(ax, str) else ax or ()) if a not in ("data", also))
         return None if not kept else kept[0] if len(kept) == 1 else kept
     return P(*map(drop, spec))
-
-
-# ---------------------------------------------------------------------------------------------
-# Activations: what JAX saves for the backward pass, at the per-device shapes of a candidate.
-
-_TP_NAMES = ("heads", "mlp", "vocab")
-
-
-@functools.lru_cache(maxsize=1024)
-def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool,
-                           flash: bool = False, space: str | None = None) -> tuple[int, int]:
-    """(bytes saved for the backward pass, bytes of the largest single saved value) of the loss of
-    `rows` sequences through `mcfg.n_layers` blocks (with embedding, head and loss if `head`, else
-    the blocks alone) on one device of a `model` axis of size t (tensor parallelism, and sequence
-    parallelism if `sp`) under remat policy `remat`.
-
-    Read from JAX's own linearization (`saved_residuals`) of the same code the step runs, traced
-    with abstract values under jaxpar's tensor-parallel marks (inside a shard_map on an abstract
-    mesh): nothing is allocated, whatever the model's size. Parameters are not counted (they are
-    stored anyway). With `flash`, attention is cuDNN's fused kernel as on a GPU, which saves q, k,
-    v, its output and the softmax statistics instead of the [seq, seq] scores (`_flash_standin`).
-    With `space` ("device" or "host"), only the values JAX places in that memory (remat `offload`
-    puts its saved matmul outputs on the host)."""
-    from jax._src.ad_checkpoint import saved_residuals  # no public spelling in jax 0.10
-
-    from jaxpar.sharding import LOGICAL_NAMES, Rules, TensorParallel, activation_rules
-    from jaxpar.train.step import cross_entropy_sum
-
-    names, shapes = model.param_names(mcfg), model.param_shapes(mcfg)
-    split = set(_TP_NAMES) | ({"kv_heads"} if mcfg.kv_heads % t == 0 else set())
-    local = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(
-        tuple(x // t if name in split and t > 1 else x for x, name in zip(s.shape, n)), s.dtype), shapes, names,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    S = mcfg.seq_len
-    if head:
-        inputs = jax.ShapeDtypeStruct((rows, S + 1), jnp.int32)
-    else:
-        inputs = jax.ShapeDtypeStruct((rows, S // t if sp and t > 1 else S, mcfg.d_model), jnp.dtype(mcfg.dtype))
-    found: list = []
-
-    def loss(params, x):
-        mdl = model.bind(mcfg, params)
-        if head:
-            logits = mdl(x[:, :-1], remat=remat)
-            return cross_entropy_sum(logits, x[:, 1:], mcfg.vocab_size)
-        if sp and t > 1:
-            x = jax.lax.pcast(x, "model", to="varying")
-        return mdl.backbone(x, remat=remat)
-
-    def trace(_):
-        # Inside the shard_map every axis is manual: the marks run Megatron's collectives and no
-        # sharding constraint is left to place.
-        rules = Rules({n: None for n in LOGICAL_NAMES})
-        with activation_rules(None, rules, tp=TensorParallel(t, sp, mcfg.n_heads, mcfg.kv_heads),
-                              compute_dtype=mcfg.dtype):
-            found.extend(saved_residuals(loss, local, inputs))
-        return _
-
-    with _attention_kernel(flash):
-        _trace_into(found, trace, loss, local, inputs, t)
-    sizes = [aval.size * aval.dtype.itemsize for aval, why in found if not str(why).startswith("from the argument")
-             and (space is None or aval.memory_space.name.lower() == space)]
-    return sum(sizes), max(sizes, default=0)
-
-
-def _trace_into(found, trace, loss, local, inputs, t):
-    from jax._src.ad_checkpoint import saved_residuals
-    if t > 1:
-        mesh = AbstractMesh((t,), ("model",), axis_types=(AxisType.Explicit,))
-        jax.make_jaxpr(jax.shard_map(trace, mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"model"}))(
-            jax.ShapeDtypeStruct((), jnp.float32))
-    else:  # one device: no marks are active, as in a single-device step
-        found.extend(saved_residuals(loss, local, inputs))
-
-
-@jax.custom_vjp
-def _flash_standin(q, k, v):
-    return q
-
-
-def _flash_fwd(q, k, v):
-    # What cuDNN's flash attention keeps for its backward: q, k, v, the output and the float32
-    # log-sum-exp of each query row, [batch, heads, seq].
-    out = q * 1
-    lse = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32) + q[..., :1].sum().astype(jnp.float32)
-    return out, (q, k, v, out, lse)
-
-
-def _flash_bwd(res, g):
-    q, k, v, _, _ = res
-    return g, jnp.zeros_like(k), jnp.zeros_like(v)
-
-
-_flash_standin.defvjp(_flash_fwd, _flash_bwd)
-
-
-class _attention_kernel:
-    """Within this context (a trace only) `jax.nn.dot_product_attention` is the flash stand-in: the
-    cuDNN kernel cannot be traced without a GPU, and only its saved values matter here."""
-
-    def __init__(self, flash: bool):
-        self.flash, self.saved = flash, None
-
-    def __enter__(self):
-        if self.flash:
-            self.saved = jax.nn.dot_product_attention
-            jax.nn.dot_product_attention = lambda q, k, v, **kw: _flash_standin(q, k, v)
-
-    def __exit__(self, *exc):
-        if self.flash:
-            jax.nn.dot_product_attention = self.saved
-
-
-@functools.lru_cache(maxsize=1024)
-def _bilinear(mcfg, t: int, sp: bool, remat: str, head: bool, flash: bool,
-              space: str | None = None) -> tuple[float, float, float, float]:
-    """(a, b, c, e) with saved bytes = a + b·rows + c·layers + e·rows·layers: every saved value is
-    per row (the batch dim) or not (tables, masks), and per layer (the scan stacks it) or not
-    (embedding, head, loss), so four traces give the exact bilinear form for any rows and depth."""
-    f = {(r, n): saved_activation_bytes(dataclasses.replace(mcfg, n_layers=n), r, t, sp, remat, head, flash, space)[0]
-         for r in (1, 2) for n in (1, 2)}
-    e = f[2, 2] - f[1, 2] - f[2, 1] + f[1, 1]
-    c = f[1, 2] - f[1, 1] - e
-    b = f[2, 1] - f[1, 1] - e
-    return f[1, 1] - b - c - e, b, c, e
-
-
-def _activations(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool, flash: bool) -> dict[str, int]:
-    """Saved activations of `rows` sequences through `mcfg.n_layers` layers: stacked by the layer
-    scan (`layers`), once for the step (`fixed`: RoPE tables, the causal mask), and outside the
-    scan per row (`outside`: embedding, head, loss); and of one layer with no remat
-    (`layer_all`) and with `remat` (`layer_saved`)."""
-    base = dataclasses.replace(mcfg, n_layers=1)
-    a, b, c, e = _bilinear(base, t, sp, remat, head, flash)
-    _, _, c0, e0 = _bilinear(base, t, sp, "none", head, flash)
-    L = mcfg.n_layers
-    return {"layers": int((c + e * rows) * L), "fixed": int(a), "outside": int(b * rows),
-            "layer_saved": int(c + e * rows), "layer_all": int(c0 + e0 * rows)}
-
-
-def _offloaded(mcfg, rows: int, t: int, sp: bool, remat: str, flash: bool, platform: str) -> int:
-    """Of the layer scan's saved activations, the bytes remat `offload` keeps in host memory (0 on
-    XLA:CPU, where JAX lowers the host copies to nothing and they stay in device memory: measured
-    equal to `dots`' temp bytes)."""
-    if remat != "offload" or platform == "cpu":
-        return 0
-    _, _, c, e = _bilinear(dataclasses.replace(mcfg, n_layers=1), t, sp, remat, True, flash, "host")
-    return int((c + e * rows) * mcfg.n_layers)
-
-
-def _tap_width(m, t: int) -> int:
-    """Per token and layer, the elements of every weight matmul's input and output cotangent (what
-    the split backward's I keeps for W), tensor-parallel dims divided by t."""
-    qkv = (m.n_heads + 2 * m.kv_heads) * m.head_size // t
-    attn = 3 * m.d_model + qkv + 2 * (m.n_heads * m.head_size // t) + m.d_model
-    mats = 3 if m.arch == "llama" else 2  # up (and gate) and down
-    mlp = (mats - 1) * (m.d_model + m.d_ff // t) + m.d_ff // t + m.d_model
-    return attn + mlp
 
 
 def _schedule(cfg: Config, p: int):
@@ -372,7 +236,8 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         if zero == 3 or (zero in (1, 2) and d > 1 and reduce_at_use(cfg, zero)):
             # Reduce-scattered where each layer's gradient arises: the data shards, plus one
             # layer's full gradient in flight (ZeRO-1/2; ZeRO-3's is counted with its gathers).
-            layer = st["blocks"] // max(1, m.n_layers) if zero < 3 else 0
+            # (Expert-parallel experts are never reduced over data: not in flight.)
+            layer = (st["blocks"] - st["experts"]) // max(1, m.n_layers) if zero < 3 else 0
             grads = (st["local"] - st["sharded"] + st["sharded"] / d + layer) * g
         else:
             grads = st["local"] * g
@@ -393,7 +258,8 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # slot for the head's cotangent); with a split table, I writes each weight matmul's
         # input and output cotangent for W into that slot, over what it consumed, and what does
         # not fit into the wstash (`pipeline._pack`: with remat `none` everything fits).
-        taps = rows * m.seq_len * layers * _tap_width(m, t) * _BYTES[m.dtype] if table.split else 0
+        width = _tap_width(m, t) if not m.moe else _tap_width(m, t, mlp=False) + costs_moe.tap_width(m, t)
+        taps = rows * m.seq_len * layers * width * _BYTES[m.dtype] if table.split else 0
         homeless = max(0, taps - (act["layers"] + msg))
         buffers = ((table.fwd_slots + table.bwd_slots) * msg + table.stash * (act["layers"] + msg)
                    + table.wstash * homeless + (par.remat == "none") * taps)
@@ -433,10 +299,12 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # microbatches or a pipeline), all of this device's parameters, kept for the step. Layers
         # in flight: one on CPU (its scheduler runs each gather just before its use: measured),
         # two on GPU (the latency-hiding scheduler prefetches the next layer's gather).
-        blocks_layer = st["blocks"] // max(1, m.n_layers // p)
+        # (Expert-parallel experts are stored whole on their rank: never gathered.)
+        blocks = st["blocks"] - st["experts"]
+        blocks_layer = blocks // max(1, m.n_layers // p)
         shared = st["local"] - st["blocks"]
         in_flight = 1 if platform == "cpu" else 2
-        gathered = (shared + (st["blocks"] if _gather_per_step(cfg, p) else in_flight * blocks_layer)) * g
+        gathered = (shared + (blocks if _gather_per_step(cfg, p) else in_flight * blocks_layer)) * g
         if not _gather_per_step(cfg, p):  # gathered per use in the compute dtype (matrices: nearly all of it)
             gathered = gathered * min(1.0, _BYTES[m.dtype] / itemsize)
     if p > 1:  # the shared leaves stored over `stage`, gathered for the step (ZeRO-3: its data shard)
@@ -487,6 +355,8 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     # With master weights gradients are reduced in float32, and what ZeRO-3 gathers is the float32
     # upcast of its shards (jaxpar.train.step); the updated parameters are gathered in 16 bits.
     gb = 4 / itemsize if cfg.train.master_weights != "none" else 1.0
+    # Expert parallelism's experts (`jaxpar.costs_moe`): never reduced over data, never ZeRO-sharded.
+    ep = st["experts"]
     out: list[Collective] = []
     if d > 1 and p == 1:
         if zero == 3:
@@ -503,8 +373,8 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             # Each gradient reduce-scattered, per microbatch. (With zero3_gather: step the step
             # reduce-scatters once, after the microbatch loop: DESIGN.md §4 row 5, §9.)
             out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d * gb, micro, overlap=True))
-            if st["local"] > st["sharded"]:
-                out.append(Collective("all-reduce", ("data",), (st["local"] - st["sharded"]) * gb, micro,
+            if st["local"] - ep > st["sharded"]:
+                out.append(Collective("all-reduce", ("data",), (st["local"] - ep - st["sharded"]) * gb, micro,
                                       overlap=True))
         else:
             # At use (one microbatch, or ZeRO-2 per microbatch): per layer in the backward scan,
@@ -513,9 +383,9 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             runs = micro if in_scan else 1
             if zero >= 1:
                 out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d * gb, runs, overlap=in_scan))
-                reduced = st["local"] - st["sharded"]
+                reduced = st["local"] - ep - st["sharded"]
             else:
-                reduced = st["local"]
+                reduced = st["local"] - ep
             if reduced:
                 out.append(Collective("all-reduce", ("data",), reduced * gb, runs, overlap=in_scan))
             if zero >= 1 and st["sharded"]:
@@ -533,8 +403,8 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
         if d > 1 and zero == 2 and par.zero2_reduce == "microbatch":
             # Reduce-scattered by every B where its seed is transposed (per microbatch).
             out.append(Collective("reduce-scatter", ("data",), st["blocks_sharded"] / d, micro, overlap=True))
-            if st["blocks"] > st["blocks_sharded"]:
-                out.append(Collective("all-reduce", ("data",), (st["blocks"] - st["blocks_sharded"]) * f32))
+            if st["blocks"] - ep > st["blocks_sharded"]:
+                out.append(Collective("all-reduce", ("data",), (st["blocks"] - ep - st["blocks_sharded"]) * f32))
         elif d > 1 and zero >= 1:
             # ZeRO-1/2 (zero2_reduce: step) and ZeRO-3 under a pipeline: the float32 accumulators
             # reduce-scattered after the tick loop; ZeRO-3 gathers each chunk's layers where F and B
@@ -543,13 +413,13 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             # loop instead, in the parameter dtype; this counts one reduction after the loop:
             # DESIGN.md §4, §9.)
             out.append(Collective("reduce-scatter", ("data",), st["blocks_sharded"] * f32 / d))
-            if st["blocks"] > st["blocks_sharded"]:
-                out.append(Collective("all-reduce", ("data",), (st["blocks"] - st["blocks_sharded"]) * f32))
+            if st["blocks"] - ep > st["blocks_sharded"]:
+                out.append(Collective("all-reduce", ("data",), (st["blocks"] - ep - st["blocks_sharded"]) * f32))
             if zero == 3:
                 uses = 1 if _gather_per_step(cfg, p) else 3 * micro
                 out.append(Collective("all-gather", ("data",), st["blocks_sharded"] * gb, uses, overlap=True))
         elif d > 1:
-            out.append(Collective("all-reduce", ("data",), st["blocks"] * f32))
+            out.append(Collective("all-reduce", ("data",), (st["blocks"] - ep) * f32))
         # The shared leaves stored sharded over `stage` (large ones: embeddings, head) are gathered
         # over `stage` before the loop and their gradients reduce-scattered over it after; the
         # others are all-reduced (over data and stage together).
@@ -569,6 +439,9 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             out.append(Collective("all-to-all", ("stage",), st["blocks"], 2))
     if t > 1:
         out += _tensor_collectives(cfg, rows, t, sp, act_size, p)
+    volume, count = costs_moe.all_to_all(cfg, shape, rows, act_size)
+    if count:  # tokens to their experts and back: the expert compute waits on them (exposed)
+        out.append(Collective("all-to-all", ("data",), volume, count))
     return out
 
 
@@ -657,9 +530,14 @@ def hardware_flops_per_token(cfg: Config, p: int) -> float:
     attn_fwd = 4 * m.n_layers * m.n_heads * m.head_size * m.seq_len
     total = model_flops_per_token(cfg) + (6 * m.d_model * m.padded_vocab if m.tied else 0)
     forward = 2 * n + attn_fwd
-    mlp_in = 2 * m.n_layers * m.d_model * m.d_ff * (2 if m.arch == "llama" else 1)
-    return total + {"none": 0, "full": forward, "dots": attn_fwd, "offload": attn_fwd,
-                    "dots_except_mlp": attn_fwd + mlp_in}[remat]
+    if m.moe:  # MoE layers (`jaxpar.costs_moe`): the experts' forward under every policy but none and full
+        mlp_in = 0
+        attn_fwd_moe = costs_moe.recomputed_flops_per_token(m, remat)
+    else:
+        mlp_in = 2 * m.n_layers * m.d_model * m.d_ff * (2 if m.arch == "llama" else 1)
+        attn_fwd_moe = 0
+    return total + attn_fwd_moe + {"none": 0, "full": forward, "dots": attn_fwd, "offload": attn_fwd,
+                                   "dots_except_mlp": attn_fwd + mlp_in}[remat]
 
 
 # The compute model, calibrated on jaxpar's own steps on one H200 (`benchmarks/plan_calibrate.py`;
@@ -696,8 +574,20 @@ def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dic
     else:
         shapes = [(D, 3 * H * hd), (H * hd, D), (D, F // t), (F // t, D)]
 
+    def gemm_rows(rows, k, n, units, peak=peak, act=act):
+        return units * (2 * rows * k * n / (MATMUL_EFFICIENCY * peak) + (rows * k + k * n + rows * n) * act / hw.hbm_bw)
+
     def gemm(k, n, units):
-        return units * (2 * M * k * n / (MATMUL_EFFICIENCY * peak) + (M * k + k * n + M * n) * act / hw.hbm_bw)
+        return gemm_rows(M, k, n, units)
+
+    width = F // t
+    if m.moe:  # the MoE layer's matmuls instead of the dense MLP's (`jaxpar.costs_moe`; the router in float32)
+        shapes = shapes[:2]
+        moe = costs_moe.gemm_terms(cfg, shape, M, gemm_rows, gemm_units, lambda r, k, n, u: gemm_rows(
+            r, k, n, u, peak=hw.peak_flops_fp32, act=4))
+        width = costs_moe.mlp_width(m, t)
+    else:
+        moe = 0.0
 
     V = m.padded_vocab // t
     layers, micro = m.n_layers / p, par.microbatches
@@ -705,10 +595,10 @@ def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dic
     flash = uses_flash_attention(cfg, "gpu")
     st = model_state(cfg, shape)
     return {
-        "matmul": micro * (layers * sum(gemm(k, n, gemm_units) for k, n in shapes) + gemm(D, V, 3) / p),
+        "matmul": micro * (layers * (sum(gemm(k, n, gemm_units) for k, n in shapes) + moe) + gemm(D, V, 3) / p),
         "flash": micro * layers * core / peak if flash else 0.0,
         "scores": 0.0 if flash else micro * layers * (3 + again) * rows * H * S * S * 4 / hw.hbm_bw,
-        "elementwise": micro * layers * (3 + again) * M * (D + F // t) * act / hw.hbm_bw,
+        "elementwise": micro * layers * (3 + again) * M * (D + width) * act / hw.hbm_bw,
         "layer_pass": micro * layers * (3 + again),
         "head": micro * 4 * M * V * 4 / hw.hbm_bw / p,
         "optimizer": (2 * st["params"] + st["grads"] + 2 * st["optimizer"]) / hw.hbm_bw,

@@ -17,8 +17,9 @@ import jax
 
 from jaxpar import model
 from jaxpar.config import Config, ConfigError, JaxparError
-from jaxpar.costs import (_BYTES, Roofline, bytes_per_axis, check, compute_floor, memory, model_flops_per_token,
-                          step_time)
+from jaxpar.costs_moe import describe_params, param_counts
+from jaxpar.costs import (_BYTES, Roofline, bytes_per_axis, check, collectives, compute_floor, memory,
+                          model_flops_per_token, step_time)
 from jaxpar.mesh import AXES
 
 
@@ -40,7 +41,10 @@ class Estimate:
         return {"mesh": dict(zip(AXES, self.shape)), "parallel": self.cfg.to_dict()["parallel"],
                 "master_weights": self.cfg.train.master_weights,
                 "memory_bytes": self.memory, "flops_per_step": self.flops_per_step,
-                "bytes_per_step": self.bytes_per_step, "step_time_s": self.time["total"],
+                "bytes_per_step": self.bytes_per_step,
+                "collectives": [{"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "count": c.count}
+                                for c in collectives(self.cfg, self.shape)],
+                "step_time_s": self.time["total"],
                 "step_time_parts_s": self.time, "mfu": self.mfu, "fits": self.fits}
 
 
@@ -235,7 +239,9 @@ def _check_cached(cfg: Config, shape: tuple[int, int, int]) -> None:
 def memory_wall(cfg: Config, devices: int, node_size: int = 8, platform: str = "gpu") -> list[tuple[str, dict]]:
     """The memory wall, step by step: per-device memory of `cfg` as each strategy is added on
     `devices` devices (each row's layout is validated by jaxpar; a row it refuses carries the reason
-    instead of figures). Each
+    instead of figures). For an MoE model the data-parallel rows split the experts over data where
+    the data size divides them (expert parallelism, as the config says) and say so, else keep them
+    replicated, and the tensor-parallel row is repeated with the experts replicated. Each
     row trains one sequence per device per microbatch, without accumulation (a pipeline streams
     2p microbatches), so that its gradients are the 4 bytes per parameter of the textbook count."""
     t = min(node_size, devices)
@@ -246,9 +252,17 @@ def memory_wall(cfg: Config, devices: int, node_size: int = 8, platform: str = "
         p *= 2
     rows = []
 
+    E = cfg.model.n_experts
+
     def add(label, shape, **par):
         d, stages = shape[0], shape[1]
         m = 2 * stages if stages > 1 else 1
+        if cfg.model.moe and cfg.parallel.expert_parallel and d > 1 and "expert_parallel" not in par:
+            if E % d:  # the experts do not split over this data size: each rank keeps them all
+                par["expert_parallel"] = False
+                label += f" (experts replicated: {E} over {d})"
+            else:
+                label += f" (EP: {E // d} of {E} experts per rank)"
         c = cfg.replace(mesh=dict(zip(AXES, shape)), train={"global_batch": d * m},
                         parallel={"microbatches": m, "stage_layers": None, **par})
         try:
@@ -263,6 +277,8 @@ def memory_wall(cfg: Config, devices: int, node_size: int = 8, platform: str = "
     for z in (1, 2, 3):
         add(f"ZeRO-{z} over {devices}", (devices, 1, 1), zero=z)
     add(f"tensor parallel x{t} + ZeRO-1 over {devices // t}", (devices // t, 1, t), zero=1)
+    if cfg.model.moe and devices // t > 1:  # the same layout without expert parallelism, for contrast
+        add("  the same, experts replicated", (devices // t, 1, t), zero=1, expert_parallel=False)
     add("+ sequence parallel", (devices // t, 1, t), zero=1, sequence_parallel=True)
     add(f"+ pipeline x{p} (1F1B)", (devices // (t * p), p, t), zero=1, sequence_parallel=True)
     add("+ remat full", (devices // (t * p), p, t), zero=1, sequence_parallel=True, remat="full")
@@ -463,7 +479,7 @@ def main(argv=None) -> int:
             if result.too_big:
                 best = result.too_big[0]
                 raise JaxparError(
-                    f"{cfg.model.arch} with {model.count_params(cfg.model):,} parameters fits in no layout of "
+                    f"{cfg.model.arch} with {describe_params(cfg.model)} fits in no layout of "
                     f"{args.devices} x {_human(roof.hardware.memory_bytes)}: the smallest needs "
                     f"{_human(best.memory['total'])} per device ({_describe(best)}); add devices or memory.")
             raise JaxparError(f"no layout of {args.devices} devices passes jaxpar's validation ("
@@ -485,8 +501,9 @@ def _print_wall(cfg, args, roof) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    n = model.count_params(cfg.model)
-    table = Table(title=f"the memory wall: Ψ = {n / 1e9:.1f} B parameters on {args.devices} devices "
+    n, active = param_counts(cfg.model)
+    moe = f" ({active / 1e9:.1f} B active)" if cfg.model.moe else ""
+    table = Table(title=f"the memory wall: Ψ = {n / 1e9:.1f} B parameters{moe} on {args.devices} devices "
                         f"of {_human(roof.hardware.memory_bytes)}", caption="GB per device")
     for col in ("strategy", "(data, stage, model)", "params", "grads", "optimizer", "activations", "total", "fits"):
         table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
@@ -517,14 +534,19 @@ def _print_report(cfg, roof, args, result) -> None:
     m, hw = cfg.model, roof.hardware
     n = model.count_params(m)
     tokens = cfg.train.global_batch * m.seq_len
+    mlp = (f"d_ff {m.d_ff}" if not m.moe else
+           f"MoE {m.n_experts} experts of {m.expert_width}, top-{m.experts_per_token}"
+           + (f" + {m.n_shared_experts} shared" if m.n_shared_experts else "")
+           + (" (expert parallel over data)" if cfg.parallel.expert_parallel else " (experts replicated over data)"))
     console.print(
-        f"model   {m.arch}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads ({m.kv_heads} kv), d_ff "
-        f"{m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}; Ψ = {n:,} parameters; compute {m.dtype}, params "
+        f"model   {m.arch}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads ({m.kv_heads} kv), "
+        f"{mlp}, vocab {m.vocab_size}, seq {m.seq_len}; Ψ = {describe_params(m)}; compute {m.dtype}, params "
         f"{m.param_dtype}\n"
         f"        {m.param_dtype} weights {_human(n * _BYTES[m.param_dtype])}; with gradients and Adam "
         f"{_human(4 * n * _BYTES[m.param_dtype])} (16 bytes per parameter in float32)\n"
         f"step    {cfg.train.global_batch} x {m.seq_len} = {tokens:,} tokens; model FLOPs "
-        f"{model_flops_per_token(cfg) * tokens:.3g} (6N + 12·L·d·S per token)\n"
+        f"{model_flops_per_token(cfg) * tokens:.3g} (6N + 12·L·d·S per token"
+        + (", N the active parameters)" if m.moe else ")") + "\n"
         f"cluster {args.devices} x {hw.name}, {_human(hw.memory_bytes)} each, {hw.node_size} per node; peak "
         f"{(hw.peak_flops if m.dtype != 'float32' else hw.peak_flops_fp32) / 1e12:g} TFLOP/s at {m.dtype}, "
         + (f"compute at {roof.compute_efficiency:.0%} of it" if roof.compute_efficiency is not None else

@@ -1,0 +1,127 @@
+"""The mixture-of-experts part of jaxpar's cost model (`jaxpar.costs` calls it; `model.n_experts`
+> 0: every layer's MLP is an MoE layer, `jaxpar.model.moe`).
+
+What it counts, per device, with expert parallelism (`parallel.expert_parallel` and data d > 1):
+
+- state: each data rank stores E/d experts of every MoE layer with their gradients and optimizer
+  state; ZeRO does not shard them further, and they are never reduced over `data` (the dense
+  leaves, router and shared experts included, follow ZeRO as before). Without expert parallelism
+  the experts are dense leaves like any other.
+- traffic: per MoE layer and microbatch, tokens go to their experts and come back by all-to-alls
+  over `data`, two in the forward and two in the backward pass, each of (tokens on the device) x k
+  x d_model elements of the compute dtype (the ideal dropless volume, as GPUs' ragged all-to-all
+  moves it; x capacity_factor in capacity mode), and two more for every forward the remat policy
+  recomputes: remat `dots`, `dots_except_mlp` and `offload` do not save the grouped matmuls'
+  outputs (`ragged_dot` is not a dot product to their policies), so the backward pass runs the
+  experts' forward, and its all-to-alls, again.
+- compute: only the k active experts of each token: the grouped matmuls at their per-expert
+  shapes (tokens per expert = tokens x k / E, over all the data ranks' tokens under expert
+  parallelism), the router in float32, the shared experts as a dense MLP.
+- activations are not modelled here: `jaxpar.costs_activations` reads them from JAX's own
+  residuals of the MoE layer, traced with every expert on the device. Under expert parallelism a
+  device's experts receive, on a balanced load, as many assignments (tokens x k) as the device
+  sends, so that trace stands for the expert-parallel layer too.
+"""
+
+from __future__ import annotations
+
+from jaxpar import model
+
+
+def expert_parallel(cfg, d: int) -> bool:
+    """Whether the experts are split over a `data` axis of size d."""
+    return cfg.model.moe and cfg.parallel.expert_parallel and d > 1
+
+
+def is_expert_leaf(names: tuple[str, ...]) -> bool:
+    """Whether a parameter with these logical dim names is an expert weight (w_gate, w_up, w_down)."""
+    return "experts" in names
+
+
+def param_counts(mcfg) -> tuple[int, int]:
+    """(total, active) parameters: active are those one token uses (its k routed experts of each
+    MoE layer, not the routers' bias and report; equal to total for a dense model)."""
+    return model.count_params(mcfg), model.count_params(mcfg, active=True)
+
+
+def describe_params(mcfg) -> str:
+    """'N parameters', or for an MoE model 'N total, M active parameters'."""
+    total, active = param_counts(mcfg)
+    return f"{total:,} parameters" if not mcfg.moe else f"{total:,} total, {active:,} active parameters"
+
+
+def capacity_scale(mcfg) -> float:
+    """The all-to-all's volume relative to dropless: capacity_factor in capacity mode, else 1."""
+    return 1.0 if mcfg.capacity_factor is None else float(mcfg.capacity_factor)
+
+
+def recomputes_experts(remat: str) -> bool:
+    """Whether the backward pass runs the experts' forward again under this remat policy (every
+    policy but `none`: `dots`' policy saves dot products only, and `ragged_dot` is not one)."""
+    return remat != "none"
+
+
+def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
+    """(result bytes per device of one all-to-all, how many per step) of expert parallelism on
+    `data`: (tokens on the device) x k x d_model elements of the compute dtype, x capacity_factor;
+    4 per MoE layer of this device (n_layers / stage) per microbatch, 2 more per recomputed
+    forward. (0, 0) without expert parallelism."""
+    d, p, _ = shape
+    m, par = cfg.model, cfg.parallel
+    if not expert_parallel(cfg, d):
+        return 0.0, 0
+    volume = rows * m.seq_len * m.experts_per_token * m.d_model * act_size * capacity_scale(m)
+    layers = m.n_layers // p if par.stage_layers is None else max(par.stage_layers)
+    return volume, layers * par.microbatches * (4 + 2 * recomputes_experts(par.remat))
+
+
+def recomputed_flops_per_token(m, remat: str) -> float:
+    """FLOPs per token the backward pass spends recomputing the MoE layers' forward beyond what
+    `jaxpar.costs.hardware_flops_per_token` counts for the dense model's attention core: under
+    `dots`, `offload` and `dots_except_mlp` the k experts' three matmuls (`full` recomputes every
+    forward already), and under `dots_except_mlp` the shared experts' gate and up matmuls."""
+    if remat in ("none", "full"):
+        return 0.0
+    experts = 2 * 3 * m.d_model * m.experts_per_token * m.expert_width
+    shared = 2 * 2 * m.d_model * m.n_shared_experts * m.expert_width if remat == "dots_except_mlp" else 0
+    return m.n_layers * (experts + shared)
+
+
+def mlp_width(m, t: int) -> int:
+    """Per token, the elements of an MoE layer's values the elementwise work passes over beyond
+    d_model (the dense MLP's d_ff / t): the k routed copies (k x d_model), the experts' hidden
+    values (k x F_e / t), the shared experts' (n_shared x F_e / t) and the router's logits (E)."""
+    F, k = m.expert_width, m.experts_per_token
+    return k * m.d_model + (k * F + m.n_shared_experts * F) // t + m.n_experts
+
+
+def tap_width(m, t: int) -> int:
+    """Per token, the elements of the MoE layer's weight matmuls' inputs and output cotangents (what
+    a split pipeline's I keeps for W): per assignment the gate and up (input d_model, output F_e/t)
+    and down (input F_e/t, output d_model) matmuls, the shared experts likewise, and the router."""
+    F, D, k = m.expert_width // t, m.d_model, m.experts_per_token
+    expert = 2 * (D + F) + F + D
+    S = m.n_shared_experts * m.expert_width // t
+    shared = 2 * (D + S) + S + D if S else 0
+    return k * expert + shared + D + m.n_experts
+
+
+def gemm_terms(cfg, shape, M: int, gemm, gemm_units: int, router_gemm) -> float:
+    """Seconds (at coefficient 1) of one MoE layer's matmuls for one microbatch of M tokens per
+    device: the shared experts as a dense MLP, the router ([M, D] x [D, E] in float32), and the
+    experts as grouped matmuls at their per-expert shapes: E/d local experts under expert
+    parallelism, each with M x d x k / E rows (all data ranks' tokens reach it), else E experts
+    with M x k / E rows (x capacity_factor under expert parallelism, whose buffers are padded to
+    the capacity; capacity mode without it runs every assignment and zeroes the dropped ones'
+    gates). `gemm(rows, k, n, units)` and `router_gemm(rows, k, n, units)` are `compute_terms`'."""
+    d, _, t = shape
+    m, par = cfg.model, cfg.parallel
+    D, F, E, k = m.d_model, m.expert_width // t, m.n_experts, m.experts_per_token
+    ep = expert_parallel(cfg, d)
+    local = E // d if ep else E
+    rows = M * k * (capacity_scale(m) if ep else 1.0) / local  # per local expert
+    units = 3 + recomputes_experts(par.remat)  # forward, the two backward matmuls, a recomputed forward
+    experts = local * (gemm(rows, D, 2 * F, units) + gemm(rows, F, D, units))
+    S = m.n_shared_experts * m.expert_width // t
+    shared = gemm(M, D, 2 * S, gemm_units) + gemm(M, S, D, gemm_units) if S else 0.0
+    return experts + shared + router_gemm(M, D, E, gemm_units)

@@ -1,0 +1,160 @@
+"""The planner's mixture-of-experts model (jaxpar.costs_moe): parameter counts, expert-parallel
+memory, the all-to-alls on `data`, no data reduction of expert weights, and active-only FLOPs.
+Every figure is computed from the config's shapes; nothing is compiled."""
+
+import dataclasses
+
+import pytest
+
+from jaxpar import costs, costs_moe, model
+from jaxpar.config import from_dict
+from jaxpar.costs_activations import saved_activation_bytes
+from jaxpar.plan import memory_wall
+from jaxpar.plan_presets import MODELS
+
+L, D, F, S, B = 4, 128, 256, 128, 16
+
+
+def moe(mesh=(4, 1, 1), E=8, k=2, shared=0, capacity=None, **par):
+    return from_dict({
+        "model": {"arch": "llama", "n_layers": L, "d_model": D, "n_heads": 4, "n_kv_heads": 2, "d_ff": 384,
+                  "vocab_size": 256, "seq_len": S, "n_experts": E, "experts_per_token": k, "expert_d_ff": F,
+                  "n_shared_experts": shared, "capacity_factor": capacity},
+        "mesh": dict(zip(("data", "stage", "model"), mesh)), "parallel": par, "train": {"global_batch": B}})
+
+
+def expert_bytes(cfg, t=1):
+    """Bytes of every layer's expert weights (float32 parameters), their width split over t."""
+    m = cfg.model
+    return m.n_layers * 3 * m.n_experts * m.d_model * m.expert_width * 4 // t
+
+
+def test_total_and_active_counts():
+    cfg = moe(E=8, k=2, shared=1)
+    total, active = costs_moe.param_counts(cfg.model)
+    assert total == model.count_params(cfg.model)
+    idle = L * 3 * (8 - 2) * D * F  # the 6 routed experts a token skips, in every layer
+    stats = L * (8 + 3)  # the routers' report (no bias with the softmax router)
+    assert active == total - idle - stats
+    assert costs_moe.describe_params(cfg.model) == f"{total:,} total, {active:,} active parameters"
+    dense = from_dict({"model": {"n_layers": 2, "d_model": 64, "n_heads": 2, "d_ff": 128, "vocab_size": 64}}).model
+    assert costs_moe.describe_params(dense) == f"{model.count_params(dense):,} parameters"
+    # The published shape: Mixtral-8x7B has 46.7 B parameters, 12.9 B active.
+    total, active = costs_moe.param_counts(from_dict(MODELS["mixtral-8x7b"][1]).model)
+    assert round(total / 1e9, 1) == 46.7 and round(active / 1e9, 1) == 12.9
+
+
+@pytest.mark.parametrize("mesh", [(4, 1, 1), (2, 1, 2), (2, 2, 1)])
+def test_expert_parallel_memory_falls_by_the_experts_share(mesh):
+    """With ZeRO-0, params, gradients and both Adam moments of the experts are stored whole on
+    every rank without expert parallelism, and 1/d of them with it: the difference is exact."""
+    d, p, t = mesh
+    ep, rep = (costs.memory(moe(mesh, microbatches=2 * p, expert_parallel=on), mesh) for on in (True, False))
+    share = expert_bytes(moe(mesh), t) // p * (d - 1) // d
+    assert rep["params"] - ep["params"] == share
+    assert rep["optimizer"] - ep["optimizer"] == 2 * share
+    # Gradients: float32 accumulators (microbatches) beside one microbatch's gradients: twice.
+    assert rep["gradients"] - ep["gradients"] == 2 * share
+    assert costs.model_state(moe(mesh), mesh)["experts"] == expert_bytes(moe(mesh), t) // (p * d)
+
+
+def test_zero_does_not_shard_expert_parallel_experts():
+    """Under ZeRO-3 the dense leaves are sharded over data and the experts, already split by
+    expert parallelism, are not sharded again nor gathered."""
+    cfg = moe((4, 1, 1), zero=3)
+    st = costs.model_state(cfg, (4, 1, 1))
+    assert st["experts"] == expert_bytes(cfg) // 4
+    assert st["sharded"] + st["experts"] <= st["local"]
+    mem = costs.memory(cfg, (4, 1, 1))
+    assert mem["gathered_params"] < st["local"] - st["experts"]
+
+
+def all_to_alls(cfg, shape):
+    return [c for c in costs.collectives(cfg, shape) if c.kind == "all-to-all"]
+
+
+@pytest.mark.parametrize("k,capacity,remat,micro", [(2, None, "none", 1), (4, None, "none", 2),
+                                                    (2, 1.25, "none", 1), (2, None, "full", 1)])
+def test_all_to_all_bytes(k, capacity, remat, micro):
+    d = 4
+    cfg = moe((d, 1, 1), k=k, capacity=capacity, remat=remat, microbatches=micro)
+    [a2a] = all_to_alls(cfg, (d, 1, 1))
+    rows = B // (d * micro)
+    assert a2a.axes == ("data",) and not a2a.overlap
+    # (tokens on the device) x k x d_model x 4 bytes (float32 compute), x capacity_factor.
+    assert a2a.bytes == pytest.approx(rows * S * k * D * 4 * (capacity or 1.0), rel=1e-12)
+    # Two each way per layer and microbatch, two more for the forward remat `full` recomputes.
+    assert a2a.count == L * micro * (4 + 2 * (remat == "full"))
+    assert costs.bytes_per_axis(cfg, (d, 1, 1))["data"] >= a2a.bytes * a2a.count
+
+
+def test_no_all_to_all_without_expert_parallelism():
+    assert not all_to_alls(moe((4, 1, 1), expert_parallel=False), (4, 1, 1))
+    assert not all_to_alls(moe((1, 1, 4)), (1, 1, 4))
+
+
+def reduced_over_data(cfg, shape):
+    """Gradient bytes the step's data-axis reductions cover: an all-reduce its result, a
+    reduce-scatter d times its (1/d-sized) result."""
+    d = shape[0]
+    return sum(c.bytes * (d if c.kind == "reduce-scatter" else 1) for c in costs.collectives(cfg, shape)
+               if c.axes[0] == "data" and c.kind in ("all-reduce", "reduce-scatter") and c.count)
+
+
+@pytest.mark.parametrize("zero,mesh", [(0, (4, 1, 1)), (1, (4, 1, 1)), (2, (4, 1, 2)), (3, (4, 1, 1)),
+                                       (0, (2, 2, 1)), (1, (2, 2, 1))])
+def test_expert_weights_are_never_reduced_over_data(zero, mesh):
+    """Without expert parallelism every expert's gradient is reduced over data like a dense
+    leaf's; with it, what is reduced is exactly that less every expert weight."""
+    d, p, t = mesh
+    par = dict(zero=zero, microbatches=2 * p)
+    ep, rep = (reduced_over_data(moe(mesh, expert_parallel=on, **par), mesh) for on in (True, False))
+    assert rep - ep == pytest.approx(expert_bytes(moe(mesh), t) / p, rel=1e-9)
+
+
+def test_flops_count_k_of_the_experts():
+    """Quadrupling the experts at the same k adds only the router's FLOPs (6 D per expert per
+    layer per token); counting every expert as active would add 6 x 3 D F x 24 per layer."""
+    small, big = moe(E=8), moe(E=32)
+    router = 6 * L * D * (32 - 8)
+    assert costs.model_flops_per_token(big) - costs.model_flops_per_token(small) == router
+    assert costs.hardware_flops_per_token(big, 1) - costs.hardware_flops_per_token(small, 1) == router
+    # k is what the expert FLOPs follow: 6 x 3 D F per extra expert per token per layer.
+    assert costs.model_flops_per_token(moe(k=4)) - costs.model_flops_per_token(moe(k=2)) == 6 * L * 3 * D * F * 2
+
+
+def test_remat_dots_recomputes_the_experts():
+    """`dots` saves no expert hidden value ([tokens x k, F_e]: `ragged_dot` is not a dot to its
+    policy), so its backward pass runs the experts' forward again, which the FLOPs count."""
+    m = dataclasses.replace(moe().model, n_layers=1)
+    rows = 2
+    hidden = rows * S * 2 * F * 4  # one [tokens x k, F_e] float32 value
+    none, dots = (saved_activation_bytes(m, rows, 1, False, r, False)[0] for r in ("none", "dots"))
+    assert none - dots >= 4 * hidden  # gate, up, their activation and product: saved only by `none`
+    assert saved_activation_bytes(m, rows, 1, False, "dots", False)[1] < hidden  # (the largest saved value)
+    cfg, attn = moe(remat="dots"), 4 * L * 4 * 32 * S
+    extra = costs.hardware_flops_per_token(cfg, 1) - costs.hardware_flops_per_token(moe(), 1)
+    assert extra == attn + 2 * 3 * L * D * 2 * F
+
+
+def test_expert_gemms_are_the_active_ones():
+    """The compute model's matmul time follows k, not E: with 4x the experts at the same k the
+    expert FLOPs are unchanged (each expert takes tokens x k / E rows) and what is added is the
+    extra experts' weights read through HBM and the router's wider float32 matmul, exactly."""
+    from jaxpar.plan_presets import HARDWARE
+    hw, shape = HARDWARE["h100-80gb"], (1, 1, 1)
+    t8, t32 = (costs.compute_terms(moe(shape, E=E), shape, hw)["matmul"] for E in (8, 32))
+    M, units, extra = B * S, 3, 32 - 8  # tokens per microbatch; forward and two backward matmuls
+    weights = units * extra * 3 * D * F * 4 / hw.hbm_bw
+    router = units * (2 * M * D * extra / (costs.MATMUL_EFFICIENCY * hw.peak_flops_fp32) + (D + M) * extra * 4 / hw.hbm_bw)
+    assert t32 - t8 == pytest.approx(L * (weights + router), rel=1e-9)
+    # Counting all 32 experts as active would add their FLOPs: far more than that.
+    all_active = units * 2 * M * 3 * D * F * (32 - 2) / (costs.MATMUL_EFFICIENCY * hw.peak_flops_fp32)
+    assert L * all_active > 10 * (t32 - t8)
+
+
+def test_memory_wall_splits_the_experts():
+    rows = {label: mem for label, _, mem in memory_wall(moe((1, 1, 1)).replace(mesh={"data": 1}), 8, node_size=2)}
+    ep = next(v for k, v in rows.items() if k.startswith("tensor parallel"))
+    rep = rows["  the same, experts replicated"]
+    assert rep["params"] - ep["params"] == expert_bytes(moe(), 2) * 3 // 4
