@@ -248,6 +248,9 @@ def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
             continue
         if key == "d_ff" and hf_cfg.moe:  # every MLP is MoE: d_ff is unused (the experts' width is checked)
             continue
+        if key in ("experts_per_token", "expert_width", "n_shared_experts", "router", "router_norm_topk") \
+                and not hf_cfg.moe:  # both dense (n_experts matched): the MoE keys are unused
+            continue
         if want != got:
             name = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "tied": "tie_embeddings",
                     "expert_width": "expert_d_ff"}.get(key, key)
