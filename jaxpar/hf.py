@@ -608,8 +608,11 @@ def load_params(folder: str, cfg, shardings: Any) -> dict:
             _set(out, e.path, jax.make_array_from_callback(shape, sharding, callback))
         for path in _buffers(mcfg):
             leaf = _leaf(shapes, path)
-            _set(out, path, jax.make_array_from_callback(leaf.shape, _leaf(shardings, path), lambda idx, leaf=leaf: np.zeros(
-                [s.stop - s.start for s in _normalize(idx, leaf.shape)], leaf.dtype)))
+
+            def zeros(idx, leaf=leaf):
+                return np.zeros([s.stop - s.start for s in _normalize(idx, leaf.shape)], leaf.dtype)
+
+            _set(out, path, jax.make_array_from_callback(leaf.shape, _leaf(shardings, path), zeros))
     return out
 
 

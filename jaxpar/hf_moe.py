@@ -61,7 +61,8 @@ def family(cfg: ModelConfig) -> str:
 
     refuse(cfg.n_shared_experts == 0, f"model.n_shared_experts = {cfg.n_shared_experts}",
            "neither has shared experts: export a model with n_shared_experts=0")
-    refuse(cfg.router == "softmax", f"model.router = {cfg.router}", "both route by softmax: export a model with router=softmax")
+    refuse(cfg.router == "softmax", f"model.router = {cfg.router}",
+           "both route by softmax: export a model with router=softmax")
     refuse(not cfg.qkv_bias, "model.qkv_bias with model.n_experts",
            "neither has q, k, v biases: export a model with qkv_bias=false")
     refuse(cfg.qk_norm or cfg.router_norm_topk, "model.router_norm_topk = false without model.qk_norm",

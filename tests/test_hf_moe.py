@@ -242,10 +242,9 @@ def test_each_device_reads_only_its_experts(arch, layout, folders, loaded, monke
     folder = folders[arch, layout]
     cfg, want = loaded[arch, layout]
     devices = np.asarray(jax.devices()[:4])
-    for mesh, spec in ((Mesh(devices[:2], ("x",)), {"w_gate": P(None, "x"), "w_up": P(None, "x"), "w_down": P(None, "x")}),
-                       (Mesh(devices.reshape(2, 2), ("x", "y")), {"w_gate": P(None, "x", None, "y"),
-                                                                  "w_up": P(None, "x", None, "y"),
-                                                                  "w_down": P(None, "x", "y")})):
+    experts = {"w_gate": P(None, "x"), "w_up": P(None, "x"), "w_down": P(None, "x")}
+    experts_and_width = {"w_gate": P(None, "x", None, "y"), "w_up": P(None, "x", None, "y"), "w_down": P(None, "x", "y")}
+    for mesh, spec in ((Mesh(devices[:2], ("x",)), experts), (Mesh(devices.reshape(2, 2), ("x", "y")), experts_and_width)):
         shardings = jax.tree_util.tree_map_with_path(
             lambda path, _: NamedSharding(mesh, spec.get(path[-1].key, P())), model.param_shapes(cfg))
         reads = _record_reads(monkeypatch)
