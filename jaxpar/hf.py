@@ -1,4 +1,5 @@
-"""Hugging Face model folders (config.json + *.safetensors) in and out, for `llama` and `gpt2`.
+"""Hugging Face model folders (config.json + *.safetensors) in and out, for `llama` and `gpt2`
+(and the mixture-of-experts families of `jaxpar.hf_moe`).
 
 Import places every parameter directly on its target sharding: `jax.make_array_from_callback`
 asks, per local device, for the slice that device holds, and only that slice is read from the
@@ -26,6 +27,7 @@ import jax
 import ml_dtypes  # noqa: F401  (registers numpy's `bfloat16`, which safetensors' numpy reader needs)
 import numpy as np
 
+from jaxpar import hf_moe
 from jaxpar.config import Config, ConfigError, JaxparError, ModelConfig, validate
 
 INDEX = "model.safetensors.index.json"
@@ -92,9 +94,10 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
     hf = read_hf_config(folder)
     path = os.path.join(folder, "config.json")
     arch = hf.get("model_type")
-    if arch not in LLAMA_FAMILIES + ("gpt2",):
+    llamas = LLAMA_FAMILIES + hf_moe.FAMILIES
+    if arch not in llamas + ("gpt2",):
         raise HFError(f"{path!r} has model_type = {arch!r}, which jaxpar does not support; jaxpar reads "
-                      f"{', '.join(f'`{a}`' for a in LLAMA_FAMILIES)} and `gpt2` models.")
+                      f"{', '.join(f'`{a}`' for a in llamas)} and `gpt2` models.")
     v = lambda key, default=...: _value(hf, path, key, default)  # noqa: E731
 
     def i(key: str, default: Any = ...) -> int:
@@ -109,7 +112,13 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
                 f"{key} = {value!r}", f"{key} must be a positive number")
         return float(value)
 
-    if arch in LLAMA_FAMILIES:  # the llama architecture under their own model_types and options
+    def nonneg(key: str, default: float) -> float:
+        value = v(key, default)
+        _refuse(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, path,
+                f"{key} = {value!r}", f"{key} must be a non-negative number")
+        return float(value)
+
+    if arch in llamas:  # the llama architecture under their own model_types and options
         d, n = i("hidden_size"), i("num_attention_heads")
         rope = hf.get("rope_parameters") or {}
         if "rope_theta" in rope:  # transformers 5 keeps it there
@@ -135,8 +144,10 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
                       d_ff=i("intermediate_size"), norm_eps=f("rms_norm_eps", 1e-6),
                       rope_theta=f("rope_theta", 10000.0), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                       head_dim=None if head_dim == d // n and d % n == 0 else head_dim,
-                      qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+                      qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "qwen3_moe"),
                       hf_model_type="mistral" if arch == "mistral" else None)
+        if arch in hf_moe.FAMILIES:
+            fields.update(hf_moe.config_fields(hf, path, arch, i, nonneg))
         if rope_type != "default":
             sv = lambda key: _value({**scaling, "model_type": f"{arch} with {rope_type} RoPE"}, path, key)  # noqa: E731
             fields.update(rope_scaling=rope_type, rope_factor=float(sv("factor")))
@@ -200,7 +211,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
             out["use_sliding_window"] = False
         if family == "mistral":
             out["sliding_window"] = None
-        return out
+        return hf_moe.config_keys(cfg, out) if cfg.moe else out
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
         "n_embd": cfg.d_model, "n_inner": cfg.d_ff, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
@@ -227,15 +238,22 @@ def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
     positions); raises HFError otherwise."""
     hf_cfg = config_from_hf(folder)
     path = os.path.join(folder, "config.json")
-    for key in ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "head_size", "d_ff", "vocab_size", "norm_eps",
+    for key in ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "head_size", "n_experts", "experts_per_token",
+                "expert_width", "n_shared_experts", "router", "router_norm_topk", "d_ff", "vocab_size", "norm_eps",
                 "tied", "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                 "rope_original_context"):
         want, got = getattr(hf_cfg, key), getattr(cfg, key)
         used = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "rope_scaling", "rope_factor")}
         if key.startswith("rope") and (cfg.arch != "llama" or key not in used.get(hf_cfg.rope_scaling, (key,))):
             continue
+        if key == "d_ff" and hf_cfg.moe:  # every MLP is MoE: d_ff is unused (the experts' width is checked)
+            continue
+        if key in ("experts_per_token", "expert_width", "n_shared_experts", "router", "router_norm_topk") \
+                and not hf_cfg.moe:  # both dense (n_experts matched): the MoE keys are unused
+            continue
         if want != got:
-            name = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "tied": "tie_embeddings"}.get(key, key)
+            name = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "tied": "tie_embeddings",
+                    "expert_width": "expert_d_ff"}.get(key, key)
             raise HFError(f"model.{name} = {got!r} does not match {want!r} of {path!r}; set model.{name}={want} "
                           "(or start from another folder).")
     config_from_hf(folder, seq_len=cfg.seq_len)  # raises if seq_len exceeds the positions
@@ -248,21 +266,26 @@ def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
 
 class Entry(NamedTuple):
     path: tuple[str, ...]   # the jaxpar leaf, e.g. ("blocks", "attn", "wq")
-    hf: str                 # HF tensor name; "{i}" is the layer index for `blocks` leaves
+    hf: str                 # HF tensor name; "{i}" is the layer index for `blocks` leaves, "{e}" the expert's
     kind: str               # how the leaf is read from the tensor (see `_read`)
     hf_shape: tuple[int, ...]
     offset: int = 0         # first column of this leaf in a fused tensor (GPT-2's c_attn)
 
 
-def entries(cfg: ModelConfig, prefix: str = "") -> list[Entry]:
+def entries(cfg: ModelConfig, prefix: str = "", *, fused: bool = False) -> list[Entry]:
     """The mapping of every jaxpar parameter to its HF tensor (`prefix`: "transformer." for
-    GPT-2 checkpoints saved from GPT2LMHeadModel, "" for ones saved from GPT2Model)."""
+    GPT-2 checkpoints saved from GPT2LMHeadModel, "" for ones saved from GPT2Model; `fused`: an
+    MoE checkpoint whose experts are stored fused, see `hf_moe`)."""
     if cfg.block != "pre_norm":
         raise HFError(f"model.block = {cfg.block!r} has no Hugging Face counterpart (transformers' llama and gpt2 "
                       "are pre_norm blocks); convert only models with model.block=pre_norm.")
     D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size
     if cfg.arch == "llama":
         a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+        mlp = hf_moe.entries(cfg, fused) if cfg.moe else [
+            Entry(("blocks", "mlp", "w_gate"), m + "gate_proj.weight", "t", (F, D)),
+            Entry(("blocks", "mlp", "w_up"), m + "up_proj.weight", "t", (F, D)),
+            Entry(("blocks", "mlp", "w_down"), m + "down_proj.weight", "t", (D, F))]
         return [
             Entry(("embed",), "model.embed_tokens.weight", "same", (V, D)),
             Entry(("blocks", "attn_norm", "scale"), "model.layers.{i}.input_layernorm.weight", "same", (D,)),
@@ -275,9 +298,7 @@ def entries(cfg: ModelConfig, prefix: str = "") -> list[Entry]:
             *([Entry(("blocks", "attn", x + "_norm"), a + f"{x}_norm.weight", "same", (H,)) for x in "qk"]
               if cfg.qk_norm else []),
             Entry(("blocks", "mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", "same", (D,)),
-            Entry(("blocks", "mlp", "w_gate"), m + "gate_proj.weight", "t", (F, D)),
-            Entry(("blocks", "mlp", "w_up"), m + "up_proj.weight", "t", (F, D)),
-            Entry(("blocks", "mlp", "w_down"), m + "down_proj.weight", "t", (D, F)),
+            *mlp,
             Entry(("final_norm", "scale"), "model.norm.weight", "same", (D,)),
         ] + ([] if cfg.tied else [Entry(("lm_head",), "lm_head.weight", "t", (V, D))])
     h = prefix + "h.{i}."
@@ -312,8 +333,13 @@ def _ignored(cfg: ModelConfig, name: str) -> bool:
     return name.endswith(_IGNORED_SUFFIXES) or (cfg.tied and name == "lm_head.weight")
 
 
+def _layer_names(cfg: ModelConfig, e: Entry) -> list[str]:
+    """The entry's name in each layer (one name for a leaf outside `blocks`); "{e}" is kept."""
+    return [e.hf.replace("{i}", str(i)) for i in range(cfg.n_layers)] if "{i}" in e.hf else [e.hf]
+
+
 def _hf_names(cfg: ModelConfig, e: Entry) -> list[str]:
-    return [e.hf.format(i=i) for i in range(cfg.n_layers)] if "{i}" in e.hf else [e.hf]
+    return [n for name in _layer_names(cfg, e) for n in hf_moe.expert_names(cfg, name)]
 
 
 Getter = Callable[[str, tuple[slice, ...]], np.ndarray]
@@ -345,6 +371,8 @@ def _heads(get: Getter, name: str, where: tuple[slice | None, ...], offset: int,
 
 def _read(e: Entry, name: str, get: Getter, idx: tuple[slice, ...], H: int) -> np.ndarray:
     """The slice `idx` of one layer's jaxpar leaf `e`, reading only the HF rows and columns it needs."""
+    if e.kind in hf_moe.KINDS:
+        return hf_moe.read(e, name, get, idx)
     if e.kind == "same":  # rows may be padded (vocabulary) or fewer than the tensor's (positions)
         return _rows(get, name, idx[0], e.hf_shape[0], idx[1:])
     if e.kind == "t":     # jaxpar [in, out] from HF [out, in]; out may be padded (lm_head)
@@ -404,7 +432,8 @@ def read_leaf(cfg: ModelConfig, e: Entry, get: Getter, idx: tuple, shape: tuple[
     if e.path[0] != "blocks":
         return _read(e, e.hf, get, idx, cfg.head_size).astype(np.float32)
     layers = range(idx[0].start, idx[0].stop)
-    return np.stack([_read(e, e.hf.format(i=i), get, idx[1:], cfg.head_size).astype(np.float32) for i in layers])
+    return np.stack([_read(e, e.hf.replace("{i}", str(i)), get, idx[1:], cfg.head_size).astype(np.float32)
+                     for i in layers])
 
 
 def from_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
@@ -413,10 +442,18 @@ def from_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
 
     shapes, prefix = model.param_shapes(cfg), _gpt2_prefix(cfg, tensors)
     out: dict = {}
-    for e in entries(cfg, prefix):
+    for e in entries(cfg, prefix, fused=hf_moe.is_fused(cfg, tensors)):
         shape = _leaf(shapes, e.path).shape
         _set(out, e.path, read_leaf(cfg, e, lambda n, s: np.asarray(tensors[n][s]), (slice(None),) * len(shape), shape))
+    for path in _buffers(cfg):
+        leaf = _leaf(shapes, path)
+        _set(out, path, np.zeros(leaf.shape, leaf.dtype))
     return out
+
+
+def _buffers(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
+    """The leaves no HF tensor holds (zeros on import, never exported): the MoE routers' report."""
+    return hf_moe.BUFFERS if cfg.moe else ()
 
 
 def to_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -425,8 +462,10 @@ def to_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     parts: dict[str, list[tuple[int, np.ndarray]]] = {}
     for e in entries(cfg, "transformer." if cfg.arch == "gpt2" else ""):
         x = np.asarray(_leaf(params, e.path))
-        for i, name in enumerate(_hf_names(cfg, e)):
-            parts.setdefault(name, []).append((e.offset, _write(e, x[i] if e.path[0] == "blocks" else x)))
+        for i, name in enumerate(_layer_names(cfg, e)):
+            xi = x[i] if e.path[0] == "blocks" else x
+            for n, t in hf_moe.write(e, name, xi) if e.kind in hf_moe.KINDS else [(name, _write(e, xi))]:
+                parts.setdefault(n, []).append((e.offset, t))
     order = sorted(parts, key=_hf_order)
     return {n: np.ascontiguousarray(np.concatenate([p for _, p in sorted(parts[n], key=lambda q: q[0])], axis=-1))
             for n in order}
@@ -505,7 +544,8 @@ def _index(folder: str) -> _Folder:
 
 def _check_tensors(cfg: ModelConfig, tf: _Folder, hf_cfg: ModelConfig) -> list[Entry]:
     """Every tensor the model needs is there with the shape config.json implies; nothing else is."""
-    es = entries(hf_cfg, _gpt2_prefix(cfg, tf.where))
+    fused = hf_moe.is_fused(hf_cfg, tf.where)
+    es = entries(hf_cfg, _gpt2_prefix(cfg, tf.where), fused=fused)
     expected = {}
     for e in es:
         for name in _hf_names(hf_cfg, e):
@@ -526,7 +566,7 @@ def _check_tensors(cfg: ModelConfig, tf: _Folder, hf_cfg: ModelConfig) -> list[E
                       f"jaxpar's {cfg.arch} ({len(extra)} such tensors); the checkpoint is a variant jaxpar "
                       "does not implement.")
     # The jaxpar model may hold fewer positions than the folder (a smaller model.seq_len).
-    return entries(cfg, _gpt2_prefix(cfg, tf.where))
+    return entries(cfg, _gpt2_prefix(cfg, tf.where), fused=fused)
 
 
 def load_params(folder: str, cfg, shardings: Any) -> dict:
@@ -566,6 +606,13 @@ def load_params(folder: str, cfg, shardings: Any) -> dict:
                 return done[key]
 
             _set(out, e.path, jax.make_array_from_callback(shape, sharding, callback))
+        for path in _buffers(mcfg):
+            leaf = _leaf(shapes, path)
+
+            def zeros(idx, leaf=leaf):
+                return np.zeros([s.stop - s.start for s in _normalize(idx, leaf.shape)], leaf.dtype)
+
+            _set(out, path, jax.make_array_from_callback(leaf.shape, _leaf(shardings, path), zeros))
     return out
 
 
