@@ -530,7 +530,7 @@ def hardware_flops_per_token(cfg: Config, p: int) -> float:
     attn_fwd = 4 * m.n_layers * m.n_heads * m.head_size * m.seq_len
     total = model_flops_per_token(cfg) + (6 * m.d_model * m.padded_vocab if m.tied else 0)
     forward = 2 * n + attn_fwd
-    if m.moe:  # MoE layers (`jaxpar.costs_moe`): the experts' forward under every policy but none and full
+    if m.moe:  # MoE layers (`jaxpar.costs_moe`): the experts' forward again under dots_except_mlp
         mlp_in = 0
         attn_fwd_moe = costs_moe.recomputed_flops_per_token(m, remat)
     else:

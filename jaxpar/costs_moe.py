@@ -11,9 +11,10 @@ What it counts, per device, with expert parallelism (`parallel.expert_parallel` 
   over `data`, two in the forward and two in the backward pass, each of (tokens on the device) x k
   x d_model elements of the compute dtype (the ideal dropless volume, as GPUs' ragged all-to-all
   moves it; x capacity_factor in capacity mode), and two more for every forward the remat policy
-  recomputes: remat `dots`, `dots_except_mlp` and `offload` do not save the grouped matmuls'
-  outputs (`ragged_dot` is not a dot product to their policies), so the backward pass runs the
-  experts' forward, and its all-to-alls, again.
+  recomputes: `full`, and `dots_except_mlp`, which saves attention's projections only (`dots` and
+  `offload` save the grouped matmuls' outputs, named `DOT_TAG` in `jaxpar.model.moe.grouped`).
+- not modelled: `parallel.expert_tensor_parallel: false` (experts whole on every model rank,
+  routing each rank's sequence shard) is costed as the expert-TP layout (DESIGN.md §9).
 - compute: only the k active experts of each token: the grouped matmuls at their per-expert
   shapes (tokens per expert = tokens x k / E, over all the data ranks' tokens under expert
   parallelism), the router in float32, the shared experts as a dense MLP.
@@ -56,9 +57,10 @@ def capacity_scale(mcfg) -> float:
 
 
 def recomputes_experts(remat: str) -> bool:
-    """Whether the backward pass runs the experts' forward again under this remat policy (every
-    policy but `none`: `dots`' policy saves dot products only, and `ragged_dot` is not one)."""
-    return remat != "none"
+    """Whether the backward pass runs the experts' forward again under this remat policy: `full`
+    recomputes every block, `dots_except_mlp` keeps attention's projections only; `dots` and
+    `offload` keep the grouped matmuls' outputs (named `DOT_TAG`)."""
+    return remat in ("full", "dots_except_mlp")
 
 
 def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
@@ -78,12 +80,12 @@ def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
 def recomputed_flops_per_token(m, remat: str) -> float:
     """FLOPs per token the backward pass spends recomputing the MoE layers' forward beyond what
     `jaxpar.costs.hardware_flops_per_token` counts for the dense model's attention core: under
-    `dots`, `offload` and `dots_except_mlp` the k experts' three matmuls (`full` recomputes every
-    forward already), and under `dots_except_mlp` the shared experts' gate and up matmuls."""
-    if remat in ("none", "full"):
+    `dots_except_mlp` the k experts' three matmuls and the shared experts' gate and up matmuls
+    (`full` recomputes every forward already; `dots` and `offload` keep the experts' outputs)."""
+    if remat != "dots_except_mlp":
         return 0.0
     experts = 2 * 3 * m.d_model * m.experts_per_token * m.expert_width
-    shared = 2 * 2 * m.d_model * m.n_shared_experts * m.expert_width if remat == "dots_except_mlp" else 0
+    shared = 2 * 2 * m.d_model * m.n_shared_experts * m.expert_width
     return m.n_layers * (experts + shared)
 
 
