@@ -1,0 +1,406 @@
+"""Mixture of experts on simulated CPU devices: expert parallelism, replicated experts, a 3D mesh and the dense model of the same active parameters, side by side; and the grouped expert matmul against a dense per-expert loop.
+
+Part 1, the train step (8 simulated CPU devices by default). One small MoE (llama, `--layers`
+layers, d_model 128, 4 heads, vocab 256, seq 128, global batch 16, E = 8 experts of width 128,
+top-2, dropless) on
+  - `ep`:        mesh (8, 1, 1), experts split over `data` (`parallel.expert_parallel: true`),
+  - `replicated`: mesh (8, 1, 1), every rank holds every expert (`parallel.expert_parallel: false`),
+  - `3d`:        mesh (2, 2, 2), 1F1B with `--microbatches` microbatches, experts split over `data`
+                 (E/2 per rank) and each expert's width over `model`,
+against `dense`: the same model with a dense SwiGLU MLP of the same active width
+(d_ff = k x expert_d_ff) on (8, 1, 1). Every program is AOT-compiled first
+(`jaxpar.train.step.lower_step`'s recipe) and read with `jaxpar.inspect`: XLA's argument and temp
+bytes per device, and the all-to-all result bytes per step over collectives spanning `data`
+(`report.traffic(kind="all-to-all", spans="data")`) next to the ideal dropless bytes
+(tokens per device x k x d_model x itemsize x 4 all-to-alls per layer x layers per stage: 2 forward
+and 2 backward, each moving exactly the token-expert assignments once). Then every program takes
+`--steps` timed steps in turns (one step of each per round, the order reversed every other round,
+after `--warmup` untimed steps each), each timed from dispatch to `jax.block_until_ready` of its
+state and metrics on prebuilt batches; per step also the process's CPU time (user + sys of all
+threads, `resource.getrusage`) over the same interval.
+
+Part 2, on one device: `jaxpar.model.moe.experts_dropless` (sorted assignments, three
+`jax.lax.ragged_dot`s) against a dense per-expert loop (every expert's SwiGLU on every token,
+weighted by the routing gate where the token chose it, zero elsewhere: the same function), jitted
+forward + backward (gradients of x and the three weight stacks), at a few sizes; the outputs and
+gradients are checked equal before timing; median of `--micro-reps` calls, the two alternated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_time import guarded, machine_info  # noqa: E402  (the same machine description as step_time.py)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# The model (user --set overrides come after these): llama, 8 experts of width 128, top-2.
+MODEL = ("model.arch=llama", "model.d_model=128", "model.n_heads=4", "model.vocab_size=256",
+         "model.seq_len=128", "train.global_batch=16")
+E, K, EXPERT_D_FF = 8, 2, 128
+MOE = (f"model.n_experts={E}", f"model.experts_per_token={K}", f"model.expert_d_ff={EXPERT_D_FF}")
+# (name, mesh (data, stage, model), overrides)
+CASES = (("ep", (8, 1, 1), MOE + ("parallel.expert_parallel=true",)),
+         ("replicated", (8, 1, 1), MOE + ("parallel.expert_parallel=false",)),
+         ("3d", (2, 2, 2), MOE + ("parallel.expert_parallel=true", "parallel.schedule=1f1b")),
+         ("dense", (8, 1, 1), ("model.n_experts=0", f"model.d_ff={K * EXPERT_D_FF}")))
+# Micro-benchmark sizes: (tokens, d_model, experts, k, expert width).
+MICRO = ((2048, 256, 8, 2, 256), (2048, 256, 16, 2, 128), (4096, 256, 8, 2, 256))
+MICRO_QUICK = ((256, 64, 8, 2, 64),)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
+                   help="override a config key for every case, e.g. --set model.d_model=256 (repeatable)")
+    p.add_argument("--layers", type=int, default=4, help="model.n_layers (default 4)")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches of the (2, 2, 2) 1F1B case (default 4)")
+    p.add_argument("--steps", type=int, default=15, help="timed steps per case (default 15)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per case after compiling (default 2)")
+    p.add_argument("--cases", default=",".join(n for n, _, _ in CASES),
+                   help=f"comma-separated subset of {', '.join(n for n, _, _ in CASES)} (default: all)")
+    p.add_argument("--micro-reps", type=int, default=5, help="timed calls per micro-benchmark variant (default 5)")
+    p.add_argument("--no-micro", action="store_true", help="skip the one-device micro-benchmark")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 layers, 2 timed steps after 1 warmup, a tiny micro-benchmark; "
+                        "writes nothing unless --out is given")
+    p.add_argument("--out", default=None, help="JSON output (default: benchmarks/results/moe_cpu.json); "
+                                               "the Markdown table goes next to it with suffix .md")
+    args = p.parse_args(argv)
+    known = {n for n, _, _ in CASES}
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if args.quick:
+        args.layers, args.steps, args.warmup, args.micro_reps = 2, 2, 1, 2
+    if args.out is None and not args.quick:
+        args.out = str(RESULTS / "moe_cpu.json")
+    if (args.steps < 1 or args.warmup < 0 or args.layers < 1 or args.microbatches < 2 or args.micro_reps < 1
+            or not args.cases or set(args.cases) - known):
+        p.error(f"--steps, --layers, --micro-reps at least 1, --warmup at least 0, --microbatches at least 2, "
+                f"--cases among {sorted(known)}")
+    return args
+
+
+def config(name: str, mesh: tuple[int, int, int], overrides: tuple[str, ...], args):
+    from jaxpar.config import load_config
+
+    d, p, t = mesh
+    sets = list(MODEL) + [f"model.n_layers={args.layers}", "runtime.cpu_devices=8",
+                          f"mesh.data={d}", f"mesh.stage={p}", f"mesh.model={t}",
+                          f"parallel.microbatches={args.microbatches if p > 1 else 1}"]
+    return load_config(None, sets + list(overrides) + list(args.overrides))
+
+
+def param_counts(cfg) -> tuple[int, int]:
+    """(total parameters, active parameters per token: the routed experts counted k/E)."""
+    import jax
+    from jaxpar.model import param_shapes
+
+    shapes = param_shapes(cfg.model)
+    total = sum(s.size for s in jax.tree.leaves(shapes))
+    if not cfg.model.moe:
+        return total, total
+    mlp = shapes["blocks"]["mlp"]
+    routed = sum(mlp[w].size for w in ("w_gate", "w_up", "w_down"))
+    m = cfg.model
+    return total, total - routed + routed * m.experts_per_token // m.n_experts
+
+
+def ideal_all_to_all_bytes(cfg) -> int:
+    """Dropless ideal per device per step: each of the step's token-expert assignments of this
+    data rank sent once to its expert and once back, forward and backward (4 per MoE layer), for
+    the layers this device's stage holds."""
+    import jax.numpy as jnp
+
+    m, mesh = cfg.model, cfg.mesh
+    if not m.moe or mesh.data == 1 or not cfg.parallel.expert_parallel:
+        return 0
+    tokens = cfg.train.global_batch * m.seq_len // mesh.data
+    return tokens * m.experts_per_token * m.d_model * jnp.dtype(m.dtype).itemsize * 4 * (m.n_layers // mesh.stage)
+
+
+def measure(name: str, cfg) -> tuple[dict, tuple]:
+    from jaxpar.inspect import analyze
+    from jaxpar.train.step import build
+
+    program = build(cfg)
+    mesh = program.mesh
+    t = time.perf_counter()
+    compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
+    compile_s = time.perf_counter() - t
+    report = analyze(compiled, mesh)
+    mem = report.memory
+    a2a = report.select(kind="all-to-all", spans="data")
+    total, active = param_counts(cfg)
+    ideal = ideal_all_to_all_bytes(cfg)
+    measured = report.traffic(kind="all-to-all", spans="data")
+    return {
+        "case": name, "mesh": {a: int(mesh.shape[a]) for a in mesh.axis_names},
+        "expert_parallel": bool(cfg.model.moe and cfg.parallel.expert_parallel and cfg.mesh.data > 1),
+        "schedule": cfg.parallel.schedule if cfg.mesh.stage > 1 else None,
+        "microbatches": cfg.parallel.microbatches,
+        "params_total": total, "params_active": active,
+        "compile_s": compile_s,
+        "memory": {"argument_bytes": mem.argument_bytes, "temp_bytes": mem.temp_bytes,
+                   "output_bytes": mem.output_bytes, "alias_bytes": mem.alias_bytes},
+        "all_to_all_data": {
+            "bytes_per_step": measured, "ideal_dropless_bytes_per_step": ideal,
+            "ratio_to_ideal": measured / ideal if ideal else None,
+            "count": len(a2a), "executions": sum(c.executions for c in a2a),
+            "executions_known": all(c.executions_known for c in a2a),
+            "collectives": [{"bytes": c.bytes, "executions": c.executions, "in_loop": c.in_loop,
+                             "axes": list(c.axes), "op_name": c.op_name} for c in a2a]},
+        "other_data_collective_bytes_per_step": {
+            kind: report.traffic(kind=kind, spans="data")
+            for kind in sorted({c.kind for c in report.select(spans="data")} - {"all-to-all"})},
+    }, (cfg, program, compiled)
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def time_interleaved(runs: list, warmup: int, steps: int) -> list[dict]:
+    """Every program's `steps` steps taken in turns (one step of each per round, the order reversed
+    every other round), after `warmup` untimed steps each; batches built before the clock starts;
+    each step timed (wall and process CPU) from dispatch to `jax.block_until_ready`."""
+    import jax
+    from jaxpar.train.data import batch_at, make_source
+
+    live = []
+    for cfg, program, compiled in runs:
+        source = make_source(cfg)
+        state = program.init(jax.random.key(cfg.train.seed))
+        batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(warmup + steps)]
+        for batch in batches[:warmup]:
+            state, _ = compiled(state, batch)
+        jax.block_until_ready((state, batches))
+        live.append({"compiled": compiled, "state": state, "batches": batches[warmup:], "wall": [], "cpu": [],
+                     "metrics": None})
+    for k in range(steps):
+        for run in (live if k % 2 == 0 else live[::-1]):
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            state, metrics = run["compiled"](run["state"], run["batches"][k])
+            jax.block_until_ready((state, metrics))
+            run["wall"].append(time.perf_counter() - t0)
+            run["cpu"].append(cpu_seconds() - c0)
+            run["state"], run["metrics"] = state, metrics
+    out = []
+    for run in live:
+        m = run["metrics"]
+        out.append({"wall": run["wall"], "cpu": run["cpu"], "loss": float(m["loss"]),
+                    "moe": {k: float(v) for k, v in m.items() if k.startswith("moe_")}})
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Part 2: grouped matmul against a dense per-expert loop, one device
+
+
+def experts_dense_loop(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down):
+    """Every expert's SwiGLU on every token, weighted by its gate where the token chose it."""
+    import jax
+    import jax.numpy as jnp
+
+    y = jnp.zeros_like(x_NxD)
+    for e in range(w_gate.shape[0]):
+        weight = jnp.sum(jnp.where(experts_NxK == e, gates_NxK, 0), axis=-1)  # [N]
+        h = jax.nn.silu(x_NxD @ w_gate[e]) * (x_NxD @ w_up[e])
+        y = y + weight[:, None] * (h @ w_down[e])
+    return y
+
+
+def micro(sizes, reps: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxpar.model.moe import experts_dropless
+
+    dev = jax.devices()[0]
+    rows = []
+    for n, d, e, k, f in sizes:
+        keys = jax.random.split(jax.random.key(0), 6)
+        x = jax.random.normal(keys[0], (n, d), jnp.float32)
+        logits = jax.random.normal(keys[1], (n, e), jnp.float32)
+        gates, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+        wg = jax.random.normal(keys[2], (e, d, f), jnp.float32) * d ** -0.5
+        wu = jax.random.normal(keys[3], (e, d, f), jnp.float32) * d ** -0.5
+        wd = jax.random.normal(keys[4], (e, f, d), jnp.float32) * f ** -0.5
+        ct = jax.random.normal(keys[5], (n, d), jnp.float32)
+        args = jax.device_put((x, experts.astype(jnp.int32), gates, wg, wu, wd, ct), dev)
+
+        def fwd_bwd(fn):
+            def loss(x, wg, wu, wd, experts, gates, ct):
+                y = fn(x, experts, gates, wg, wu, wd)
+                return jnp.sum(y * ct), y
+
+            g = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+
+            @jax.jit
+            def step(x, experts, gates, wg, wu, wd, ct):
+                grads, y = g(x, wg, wu, wd, experts, gates, ct)
+                return y, grads
+            return step
+
+        fns = {"ragged_dot": fwd_bwd(experts_dropless), "dense_loop": fwd_bwd(experts_dense_loop)}
+        # jax lowers ragged_dot to XLA's ragged-dot instruction on GPU and TPU only; elsewhere (CPU) to
+        # a dense dot of the rows masked per group: every row against every group's weights.
+        native = "ragged_dot" in fns["ragged_dot"].lower(*args).as_text()
+        outs = {name: jax.block_until_ready(fn(*args)) for name, fn in fns.items()}  # compiles, and the check
+        ref, got = outs["dense_loop"], outs["ragged_dot"]
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
+        max_err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
+        times = {name: [] for name in fns}
+        for r in range(reps):
+            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                t = time.perf_counter()
+                jax.block_until_ready(fns[name](*args))
+                times[name].append(time.perf_counter() - t)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        # FLOPs of the forward matmuls (backward: 2x more): grouped N*k*3*2*D*F, dense loop N*E*3*2*D*F.
+        row = {"tokens": n, "d_model": d, "experts": e, "k": k, "expert_d_ff": f, "reps": reps,
+               "median_s": med, "times_s": times, "max_abs_diff": max_err,
+               "dense_loop_over_ragged": med["dense_loop"] / med["ragged_dot"],
+               "ragged_over_dense_loop": med["ragged_dot"] / med["dense_loop"],
+               "ragged_dot_lowering": "ragged-dot instruction" if native else "dense masked dot (E x the grouped FLOPs)",
+               "fwd_bwd_matmul_flops": {"ragged_dot_grouped": 3 * n * k * 6 * d * f,
+                                        "ragged_dot_as_lowered": 3 * n * k * 6 * d * f * (1 if native else e),
+                                        "dense_loop": 3 * n * e * 6 * d * f}}
+        rows.append(row)
+        print(f"micro N={n} D={d} E={e} k={k} F={f}: ragged_dot {med['ragged_dot'] * 1e3:.1f} ms, dense loop "
+              f"{med['dense_loop'] * 1e3:.1f} ms (ragged / dense {row['ragged_over_dense_loop']:.2f}x), max |diff| {max_err:.1e}",
+              flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def mib(x: float) -> str:
+    return f"{x / 2**20:.2f}"
+
+
+def markdown(rows: list[dict], micro_rows: list[dict], machine: dict, cfg, command: str, args) -> str:
+    head = ["case", "mesh (d,p,t)", "params total / active", "median step (ms)", "tokens/s",
+            "CPU s/step", "argument MiB/device", "temp MiB/device", "all-to-all over data MiB/step",
+            "ideal dropless MiB/step", "ratio"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for r in rows:
+        a = r["all_to_all_data"]
+        m = r["mesh"]
+        lines.append("| " + " | ".join([
+            r["case"], f"({m['data']},{m['stage']},{m['model']})",
+            f"{r['params_total'] / 1e6:.2f}M / {r['params_active'] / 1e6:.2f}M",
+            f"{r['step_time_s']['median'] * 1e3:.0f}", f"{r['tokens_per_s']:,.0f}",
+            f"{r['cpu_s_per_step']['median']:.2f}",
+            mib(r["memory"]["argument_bytes"]), mib(r["memory"]["temp_bytes"]),
+            mib(a["bytes_per_step"]), mib(a["ideal_dropless_bytes_per_step"]),
+            f"{a['ratio_to_ideal']:.2f}×" if a["ratio_to_ideal"] else "-"]) + " |")
+    mdl = cfg.model
+    text = "\n".join(lines) + (
+        f"\n\nModel: llama, {mdl.n_layers} layers, d_model {mdl.d_model}, {mdl.n_heads} heads, vocab "
+        f"{mdl.vocab_size}, seq_len {mdl.seq_len}, global batch {cfg.train.global_batch}; MoE: {E} experts of "
+        f"width {EXPERT_D_FF}, top-{K}, dropless, softmax router; dense: d_ff {K * EXPERT_D_FF} (same active "
+        f"parameters). `ep`: experts split over data; `replicated`: `parallel.expert_parallel: false`; `3d`: 1F1B, "
+        f"{args.microbatches} microbatches. Median of {rows[0]['steps']} steps after {rows[0]['warmup']} warmup, "
+        "the cases timed in turns; CPU s/step is the process's user + sys time over the same interval. Memory is "
+        "XLA's plan per device; all-to-all bytes are result bytes × executions of the all-to-alls spanning "
+        "`data` (`jaxpar.inspect`; in a pipeline tick's `lax.cond` counted as if every tick ran them); ideal: "
+        "tokens per data rank × k × d_model × 4 B × 4 per layer × layers per stage.\n")
+    if micro_rows:
+        text += ("\n| tokens | d_model | E | k | F | ragged_dot fwd+bwd (ms) | dense loop fwd+bwd (ms) | "
+                 "ragged / dense loop | max abs diff |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+        for r in micro_rows:
+            text += (f"| {r['tokens']} | {r['d_model']} | {r['experts']} | {r['k']} | {r['expert_d_ff']} | "
+                     f"{r['median_s']['ragged_dot'] * 1e3:.1f} | {r['median_s']['dense_loop'] * 1e3:.1f} | "
+                     f"{1 / r['dense_loop_over_ragged']:.2f}× | {r['max_abs_diff']:.1e} |\n")
+        text += (f"\nOne device, jitted forward + backward (gradients of x and the three weight stacks), median of "
+                 f"{micro_rows[0]['reps']} calls, the two alternated; `experts_dropless` against every expert on "
+                 f"every token masked by the routing. `ragged_dot` lowered as: {micro_rows[0]['ragged_dot_lowering']}.\n")
+    text += (f"\nMeasured {machine['date']} on {machine['device_count']} simulated {machine['platform']} devices on "
+             f"{machine['cpu_count']} shared CPU cores ({machine['cpu_model']}), jax {machine['jax_version']}, "
+             f"CPU client pool PJRT_NPROC={machine['pjrt_nproc']}; 1-minute load average "
+             f"{machine['load_avg_1m_at_start']} at the start, {machine['load_avg_1m_before_timing']} before timing, "
+             f"{machine['load_avg_1m_after_timing']} after. Step times on simulated devices sharing two cores "
+             "measure compute and memory copies, not interconnect bandwidth.\n\n"
+             f"Command: `{command}`\n")
+    return text
+
+
+def main(argv: list[str]) -> int:
+    return guarded(run, parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+    from jaxpar.mesh import use_cpu_devices
+
+    jax.config.update("jax_platforms", "cpu")
+    cases = {n: (mesh, o) for n, mesh, o in CASES}
+    cfgs = [(name, config(name, *cases[name], args)) for name in args.cases]  # every config checked first
+    use_cpu_devices(8)  # the pool for any program (the pipeline's collectives need it): the same for every case
+    load = os.getloadavg()[0]
+    t_start = time.perf_counter()
+
+    rows, runs = [], []
+    for name, cfg in cfgs:
+        r, run_ = measure(name, cfg)
+        rows.append(r)
+        runs.append(run_)
+        a = r["all_to_all_data"]
+        print(f"{name}: compiled in {r['compile_s']:.1f} s, args {mib(r['memory']['argument_bytes'])} MiB, temp "
+              f"{mib(r['memory']['temp_bytes'])} MiB, all-to-all {mib(a['bytes_per_step'])} MiB/step "
+              f"(ideal {mib(a['ideal_dropless_bytes_per_step'])})", flush=True)
+    load_timing = os.getloadavg()[0]
+    for r, (cfg_name, cfg), res in zip(rows, cfgs, time_interleaved(runs, args.warmup, args.steps)):
+        tokens = cfg.train.global_batch * cfg.model.seq_len
+        med = statistics.median(res["wall"])
+        r.update(steps=args.steps, warmup=args.warmup, final_loss=res["loss"], moe_metrics=res["moe"],
+                 step_times_s=res["wall"], cpu_s_per_step_all=res["cpu"],
+                 step_time_s={"median": med, "min": min(res["wall"]), "max": max(res["wall"])},
+                 cpu_s_per_step={"median": statistics.median(res["cpu"]), "mean": statistics.fmean(res["cpu"])},
+                 tokens_per_step=tokens, tokens_per_s=tokens / med)
+        print(f"{cfg_name}: median {med * 1e3:.1f} ms, {tokens / med:,.0f} tokens/s, CPU "
+              f"{r['cpu_s_per_step']['median']:.2f} s/step, loss {res['loss']:.4f}", flush=True)
+    load_after = os.getloadavg()[0]
+
+    micro_rows = [] if args.no_micro else micro(MICRO_QUICK if args.quick else MICRO, args.micro_reps)
+
+    machine = {**machine_info(), "pjrt_nproc": os.environ.get("PJRT_NPROC", "XLA default"),
+               "load_avg_1m_at_start": round(load, 2), "load_avg_1m_before_timing": round(load_timing, 2),
+               "load_avg_1m_after_timing": round(load_after, 2),
+               "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}
+    command = " ".join(["python", "benchmarks/moe.py"] + sys.argv[1:])
+    result = {
+        "benchmark": "moe", "date": machine["date"], "command": command, "machine": machine,
+        "wall_s": time.perf_counter() - t_start,
+        "config": {name: cfg.to_dict() for name, cfg in cfgs},
+        "timing": ("cases timed in turns, one step of each per round, order reversed every other round; each "
+                   "step timed alone, dispatch to jax.block_until_ready on the new state and metrics; batches "
+                   "prebuilt; CPU seconds: resource.getrusage(RUSAGE_SELF) user + sys over the same interval; "
+                   "compile_s is AOT lower+compile of the step; load averages: other work on the cores "
+                   "(2 cores: 2.0 = busy)"),
+        "rows": rows, "micro": micro_rows,
+    }
+    table = markdown(rows, micro_rows, machine, cfgs[0][1], command, args)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        out.with_suffix(".md").write_text(f"# Mixture of experts ({machine['platform']})\n\n" + table)
+        print(f"-> {out}, {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
