@@ -333,3 +333,20 @@ def test_replicated_experts_need_sequence_parallelism():
     cfg = moe_run(1, 1, 2, expert_tensor_parallel=False).replace(parallel={"sequence_parallel": False})
     with pytest.raises(ConfigError, match="set parallel.sequence_parallel=true"):
         check_sizes(cfg, (1, 1, 2))
+
+
+@pytest.mark.parametrize("sizes", [[2, 0, 5], [100, 0, 150, 40], [128, 128], [0, 0, 0]])
+def test_blocked_grouped_matmul_is_ragged_dot(sizes):
+    """CPU's grouped matmul (blocks of rows, each group padded to whole blocks) computes
+    `jax.lax.ragged_dot`'s function and gradients, rows past the groups included (0), for empty
+    groups, groups of exactly one block, and a block size below the row count."""
+    M, E = max(sum(sizes) + 7, 10), len(sizes)
+    x = jax.random.normal(jax.random.key(0), (M, 8))
+    w = jax.random.normal(jax.random.key(1), (E, 8, 5))
+    s = jnp.array(sizes, jnp.int32)
+    want = jax.lax.ragged_dot(x, w, s)
+    np.testing.assert_allclose(moe_lib._blocked(x, w, s), want, atol=1e-5)
+    grads = [jax.grad(lambda x, w, f=f: jnp.sum(jnp.sin(f(x, w, s))), (0, 1))(x, w)
+             for f in (jax.lax.ragged_dot, moe_lib._blocked)]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, atol=1e-5)  # float32 sums of 8 to 150 products, in another order

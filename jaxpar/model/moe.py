@@ -222,11 +222,49 @@ def keep_mask(cfg: ModelConfig, experts_BxTxK: jax.Array, shards: int = 1) -> ja
     return jnp.swapaxes(pos < capacity(cfg, T * shards), 1, 2).astype(jnp.float32)
 
 
+# Rows per block of the grouped matmul on backends without a ragged dot (`_blocked`).
+GROUP_BLOCK = 128
+
+
 def grouped(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Array:
-    """Rows grouped by expert times their expert's matrix (`jax.lax.ragged_dot`; rows past the
-    groups come out 0), named `DOT_TAG` so that remat `dots` saves it as it saves a dense matmul's
-    output (its policy does not see a ragged dot as a dot)."""
+    """Rows grouped by expert (the first sizes[0] rows expert 0's, ...) times their expert's
+    matrix; rows past the groups come out 0. `jax.lax.ragged_dot` where XLA has a ragged dot (GPU,
+    TPU); on CPU jax lowers it to one dense dot of every row with every expert (E times the work),
+    so there it runs blockwise (`_blocked`). Named `DOT_TAG`, so that remat `dots` saves it as it
+    saves a dense matmul's output (its policy does not see either form as a weight matmul)."""
+    if jax.default_backend() == "cpu":
+        return checkpoint_name(_blocked(x_MxC, w_ExCxO, sizes_E), DOT_TAG)
     return checkpoint_name(jax.lax.ragged_dot(x_MxC, w_ExCxO, sizes_E), DOT_TAG)
+
+
+def _blocked(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    """The grouped matmul as a scan over blocks of b rows: each group padded to a multiple of b
+    (ceil(M/b) + E blocks, enough for any sizes), each block multiplied by its group's matrix.
+    The work is that of the rows plus at most E·b padding rows (MegaBlocks' layout, looped)."""
+    M, C = x_MxC.shape
+    E, _, O = w_ExCxO.shape
+    b = min(GROUP_BLOCK, M)
+    blocks = -(-M // b) + E
+    ends = jnp.cumsum(sizes_E)
+    padded = -(-sizes_E // b) * b
+    padded_ends = jnp.cumsum(padded)
+    row = jnp.arange(M)
+    # (Counts of group ends passed, not `jnp.searchsorted`: that fails on manual-axis-typed
+    # values inside a shard_map in jax 0.10.2.)
+    group = jnp.sum(row[:, None] >= ends[None, :], axis=1)  # E for rows past the groups
+    g = jnp.minimum(group, E - 1)
+    slot = jnp.where(group < E, padded_ends[g] - padded[g] + row - (ends[g] - sizes_E[g]), blocks * b)
+    axes = varying_axes(x_MxC)
+    xb = vary(jnp.zeros((blocks * b, C), x_MxC.dtype), axes).at[slot].set(x_MxC, mode="drop")
+    block_group = jnp.minimum(jnp.sum((jnp.arange(blocks) * b)[:, None] >= padded_ends[None, :], axis=1), E - 1)
+
+    def block(_, xs):
+        x_bxC, e = xs
+        return None, x_bxC @ w_ExCxO[e]
+
+    _, yb = jax.lax.scan(block, None, (xb.reshape(blocks, b, C), block_group))
+    y = jnp.take(yb.reshape(blocks * b, O), jnp.minimum(slot, blocks * b - 1), axis=0)
+    return jnp.where((group < E)[:, None], y, 0).astype(jnp.result_type(x_MxC.dtype, w_ExCxO.dtype))
 
 
 def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD) -> jax.Array:
