@@ -116,6 +116,12 @@ def _variants(cfg: Config, shape: tuple[int, int, int], split):
                     yield zero, sp, schedule, v, master
 
 
+def _expert_parallel(cfg: Config, d: int) -> bool:
+    """MoE: experts split over `data` where its size divides them (as the config asks), else every
+    data rank holds them all (`parallel.expert_parallel: false`, which validation requires there)."""
+    return cfg.parallel.expert_parallel and (not cfg.model.moe or cfg.model.n_experts % d == 0)
+
+
 def _candidate(cfg: Config, shape, m, remat, split, zero, sp, schedule, v, master) -> Config:
     d, p, t = shape
     # dataclasses.replace, not Config.replace: these values have the fields' types already, and
@@ -123,7 +129,8 @@ def _candidate(cfg: Config, shape, m, remat, split, zero, sp, schedule, v, maste
     return dataclasses.replace(
         cfg, mesh=dataclasses.replace(cfg.mesh, data=d, stage=p, model=t),
         parallel=dataclasses.replace(cfg.parallel, zero=zero, sequence_parallel=sp, remat=remat, schedule=schedule,
-                                     virtual_stages=v, microbatches=m, stage_layers=split),
+                                     virtual_stages=v, microbatches=m, stage_layers=split,
+                                     expert_parallel=_expert_parallel(cfg, d)),
         train=dataclasses.replace(cfg.train, master_weights=master))
 
 
@@ -227,7 +234,8 @@ def plan(cfg: Config, devices: int, roof: Roofline, platform: str = "gpu", keep:
 def _floor(cfg: Config, shape, m: int, remat: str, roof: Roofline) -> float:
     """`compute_floor` of a candidate group (the other choices do not change it)."""
     c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, remat=remat, microbatches=m,
-                                                              stage_layers=None, virtual_stages=1))
+                                                              stage_layers=None, virtual_stages=1,
+                                                              expert_parallel=_expert_parallel(cfg, shape[0])))
     return compute_floor(c, shape, roof)
 
 

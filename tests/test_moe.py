@@ -172,8 +172,9 @@ def reference_run(cfg):
 
 
 # Expert parallelism wherever data > 1 (the default), unless the case turns it off. Every data
-# size (2, 4, 8), with tensor parallelism (experts split over `model`), ZeRO 0-3, pipelines,
-# top-1 and top-2, shared experts, the sigmoid-bias router and capacity mode.
+# size (2, 4, 8), with tensor parallelism (experts split over `model`, or whole), ZeRO 0-3,
+# pipelines, top-1 and top-2, shared experts, the sigmoid-bias router and capacity mode; the two
+# lists together cover all 10 factorizations of 8 devices into (data, stage, model).
 PARITY = [  # (mesh, schedule, zero, model options)
     ((8, 1, 1), "1f1b", 1, {"n_experts": 8}),
     ((2, 2, 2), "1f1b", 3, {"n_shared_experts": 1}),
@@ -193,6 +194,8 @@ PARITY_SLOW = [
     ((2, 1, 4), "1f1b", 1, {"capacity_factor": 1.25, "n_shared_experts": 1}),
     ((2, 2, 2), "1f1b", 3, {"expert_tensor_parallel": False, "capacity_factor": 0.75, "router": "sigmoid_bias"}),
     ((1, 4, 2), "zb_h1", 0, {"expert_tensor_parallel": False}),
+    ((1, 2, 4), "gpipe", 1, {"experts_per_token": 1}),
+    ((1, 1, 8), "1f1b", 0, {"n_heads": 8}),
 ]
 
 
@@ -350,3 +353,8 @@ def test_blocked_grouped_matmul_is_ragged_dot(sizes):
              for f in (jax.lax.ragged_dot, moe_lib._blocked)]
     for a, b in zip(*grads):
         np.testing.assert_allclose(a, b, atol=1e-5)  # float32 sums of 8 to 150 products, in another order
+
+
+def test_the_parity_cases_cover_every_factorization():
+    meshes = {mesh for mesh, *_ in PARITY + PARITY_SLOW}
+    assert meshes == {(d, p, 8 // (d * p)) for d in (1, 2, 4, 8) for p in (1, 2, 4, 8) if 8 % (d * p) == 0}

@@ -162,3 +162,19 @@ def test_memory_wall_splits_the_experts():
     ep = next(v for k, v in rows.items() if k.startswith("tensor parallel"))
     rep = rows["  the same, experts replicated"]
     assert rep["params"] - ep["params"] == expert_bytes(moe(), 2) * 3 // 4
+
+
+def test_the_plan_replicates_experts_where_data_does_not_divide_them():
+    """On 16 devices with 8 experts, layouts with data 16 are candidates with every expert on every
+    data rank (`expert_parallel: false`, which validation requires there), not refused or costed
+    with 8/16 experts per rank; data 8 splits them."""
+    from jaxpar.costs import Roofline
+    from jaxpar.plan import plan
+    from jaxpar.plan_presets import HARDWARE
+    cfg = moe((1, 1, 1), E=8).replace(mesh={"data": 1}, train={"global_batch": 32})
+    result = plan(cfg, 16, Roofline(HARDWARE["h100-80gb"], 0.5, 16), "cpu")
+    by_data = {}
+    for est in result.ranked + result.too_big:
+        by_data.setdefault(est.shape[0], set()).add(est.cfg.parallel.expert_parallel)
+    assert by_data[16] == {False} and by_data[8] == {True}, by_data
+    assert not any("n_experts" in reason for reason in result.refused)
