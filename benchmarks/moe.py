@@ -1,4 +1,4 @@
-"""Mixture of experts on simulated CPU devices: expert parallelism, replicated experts, a 3D mesh and the dense model of the same active parameters, side by side; and the grouped expert matmul against a dense per-expert loop.
+"""Mixture of experts on simulated CPU devices: expert parallelism, replicated experts, a 3D mesh and the dense model of the same active parameters, side by side; and the grouped expert matmul (jaxpar's, and plain ragged_dot) against a dense per-expert loop.
 
 Part 1, the train step (8 simulated CPU devices by default). One small MoE (llama, `--layers`
 layers, d_model 128, 4 heads, vocab 256, seq 128, global batch 16, E = 8 experts of width 128,
@@ -19,11 +19,17 @@ after `--warmup` untimed steps each), each timed from dispatch to `jax.block_unt
 state and metrics on prebuilt batches; per step also the process's CPU time (user + sys of all
 threads, `resource.getrusage`) over the same interval.
 
-Part 2, on one device: `jaxpar.model.moe.experts_dropless` (sorted assignments, three
-`jax.lax.ragged_dot`s) against a dense per-expert loop (every expert's SwiGLU on every token,
-weighted by the routing gate where the token chose it, zero elsewhere: the same function), jitted
-forward + backward (gradients of x and the three weight stacks), at a few sizes; the outputs and
-gradients are checked equal before timing; median of `--micro-reps` calls, the two alternated.
+Part 2, on one device: the same function three ways, jitted forward + backward (gradients of x
+and the three weight stacks), at a few sizes:
+  - `grouped`:    `jaxpar.model.moe.experts_dropless` as jaxpar runs it (sorted assignments, three
+                  grouped matmuls through `jaxpar.model.moe.grouped`: blockwise on CPU, a scan over
+                  each expert's rows padded to blocks of `GROUP_BLOCK`; `jax.lax.ragged_dot` elsewhere),
+  - `ragged_dot`: the same with `grouped` replaced by plain `jax.lax.ragged_dot` while it traces (on
+                  CPU jax lowers that to one dense dot of every row with every expert),
+  - `dense_loop`: every expert's SwiGLU on every token, weighted by the routing gate where the token
+                  chose it, zero elsewhere.
+The outputs and gradients of the first two are checked equal to `dense_loop`'s before timing;
+median of `--micro-reps` calls each, the three alternated (the order reversed every other round).
 """
 
 from __future__ import annotations
@@ -201,7 +207,7 @@ def time_interleaved(runs: list, warmup: int, steps: int) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------
-# Part 2: grouped matmul against a dense per-expert loop, one device
+# Part 2: the grouped matmul (jaxpar's, plain ragged_dot) against a dense per-expert loop, one device
 
 
 def experts_dense_loop(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down):
@@ -217,11 +223,30 @@ def experts_dense_loop(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down):
     return y
 
 
+def experts_ragged_dot(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down):
+    """`experts_dropless` with its grouped matmuls as plain `jax.lax.ragged_dot` (what
+    `jaxpar.model.moe.grouped` runs off CPU): `grouped` is swapped while this traces and put back
+    after."""
+    import jax
+    import jaxpar.model.moe as moe
+
+    saved = moe.grouped
+    moe.grouped = jax.lax.ragged_dot
+    try:
+        return moe.experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down)
+    finally:
+        moe.grouped = saved
+
+
+# The variants of part 2, in timing order; every one against `dense_loop`.
+VARIANTS = ("grouped", "ragged_dot", "dense_loop")
+
+
 def micro(sizes, reps: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jaxpar.model.moe import experts_dropless
+    from jaxpar.model.moe import GROUP_BLOCK, experts_dropless
 
     dev = jax.devices()[0]
     rows = []
@@ -250,15 +275,24 @@ def micro(sizes, reps: int) -> list[dict]:
                 return y, grads
             return step
 
-        fns = {"ragged_dot": fwd_bwd(experts_dropless), "dense_loop": fwd_bwd(experts_dense_loop)}
+        fns = {"grouped": fwd_bwd(experts_dropless), "ragged_dot": fwd_bwd(experts_ragged_dot),
+               "dense_loop": fwd_bwd(experts_dense_loop)}
         # jax lowers ragged_dot to XLA's ragged-dot instruction on GPU and TPU only; elsewhere (CPU) to
-        # a dense dot of the rows masked per group: every row against every group's weights.
-        native = "ragged_dot" in fns["ragged_dot"].lower(*args).as_text()
+        # a dense dot of the rows masked per group: every row against every group's weights. jaxpar's
+        # `grouped` runs blockwise on CPU (`_blocked`: each expert's rows padded to blocks of
+        # GROUP_BLOCK, a scan over the blocks) and ragged_dot elsewhere.
+        text = {name: fns[name].lower(*args).as_text() for name in ("grouped", "ragged_dot")}
+        native = "ragged_dot" in text["ragged_dot"]
+        blockwise = "ragged_dot" not in text["grouped"] and jax.default_backend() == "cpu"
         outs = {name: jax.block_until_ready(fn(*args)) for name, fn in fns.items()}  # compiles, and the check
-        ref, got = outs["dense_loop"], outs["ragged_dot"]
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
-        max_err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
+        ref = jax.tree.leaves(outs["dense_loop"])
+        max_err = {}
+        for name in ("grouped", "ragged_dot"):
+            got = jax.tree.leaves(outs[name])
+            for a, b in zip(got, ref):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4, err_msg=name)
+            max_err[name] = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, ref))
+        del outs
         times = {name: [] for name in fns}
         for r in range(reps):
             for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
@@ -266,19 +300,28 @@ def micro(sizes, reps: int) -> list[dict]:
                 jax.block_until_ready(fns[name](*args))
                 times[name].append(time.perf_counter() - t)
         med = {name: statistics.median(ts) for name, ts in times.items()}
-        # FLOPs of the forward matmuls (backward: 2x more): grouped N*k*3*2*D*F, dense loop N*E*3*2*D*F.
+        # FLOPs of the forward matmuls (backward: 2x more), per row 3 matmuls x 2*D*F: grouped ideal
+        # N*k rows; blockwise (ceil(N*k/b) + E) blocks of b rows; ragged_dot as lowered on CPU N*k*E
+        # row-expert products; dense loop N*E.
+        m = n * k
+        b = min(GROUP_BLOCK, m)
+        grouped_rows = (-(-m // b) + e) * b if blockwise else m
         row = {"tokens": n, "d_model": d, "experts": e, "k": k, "expert_d_ff": f, "reps": reps,
-               "median_s": med, "times_s": times, "max_abs_diff": max_err,
-               "dense_loop_over_ragged": med["dense_loop"] / med["ragged_dot"],
-               "ragged_over_dense_loop": med["ragged_dot"] / med["dense_loop"],
+               "median_s": med, "times_s": times, "max_abs_diff_vs_dense_loop": max_err,
+               "over_dense_loop": {name: med[name] / med["dense_loop"] for name in ("grouped", "ragged_dot")},
+               "ragged_dot_over_grouped": med["ragged_dot"] / med["grouped"],
+               "grouped_lowering": (f"blockwise scan over blocks of {b} rows" if blockwise
+                                    else "ragged-dot instruction" if "ragged_dot" in text["grouped"] else "other"),
                "ragged_dot_lowering": "ragged-dot instruction" if native else "dense masked dot (E x the grouped FLOPs)",
-               "fwd_bwd_matmul_flops": {"ragged_dot_grouped": 3 * n * k * 6 * d * f,
-                                        "ragged_dot_as_lowered": 3 * n * k * 6 * d * f * (1 if native else e),
+               "fwd_bwd_matmul_flops": {"ideal_grouped": 3 * m * 6 * d * f,
+                                        "grouped_as_run": 3 * grouped_rows * 6 * d * f,
+                                        "ragged_dot_as_lowered": 3 * m * 6 * d * f * (1 if native else e),
                                         "dense_loop": 3 * n * e * 6 * d * f}}
         rows.append(row)
-        print(f"micro N={n} D={d} E={e} k={k} F={f}: ragged_dot {med['ragged_dot'] * 1e3:.1f} ms, dense loop "
-              f"{med['dense_loop'] * 1e3:.1f} ms (ragged / dense {row['ragged_over_dense_loop']:.2f}x), max |diff| {max_err:.1e}",
-              flush=True)
+        print(f"micro N={n} D={d} E={e} k={k} F={f}: grouped {med['grouped'] * 1e3:.1f} ms, ragged_dot "
+              f"{med['ragged_dot'] * 1e3:.1f} ms, dense loop {med['dense_loop'] * 1e3:.1f} ms (vs dense loop: grouped "
+              f"{row['over_dense_loop']['grouped']:.2f}x, ragged_dot {row['over_dense_loop']['ragged_dot']:.2f}x), "
+              f"max |diff| {max(max_err.values()):.1e}", flush=True)
     return rows
 
 
@@ -317,15 +360,21 @@ def markdown(rows: list[dict], micro_rows: list[dict], machine: dict, cfg, comma
         "`data` (`jaxpar.inspect`; in a pipeline tick's `lax.cond` counted as if every tick ran them); ideal: "
         "tokens per data rank × k × d_model × 4 B × 4 per layer × layers per stage.\n")
     if micro_rows:
-        text += ("\n| tokens | d_model | E | k | F | ragged_dot fwd+bwd (ms) | dense loop fwd+bwd (ms) | "
-                 "ragged / dense loop | max abs diff |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+        text += ("\n| tokens | d_model | E | k | F | grouped fwd+bwd (ms) | ragged_dot fwd+bwd (ms) | "
+                 "dense loop fwd+bwd (ms) | grouped / dense loop | ragged_dot / dense loop | max abs diff |\n"
+                 "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
         for r in micro_rows:
+            med, ratio = r["median_s"], r["over_dense_loop"]
             text += (f"| {r['tokens']} | {r['d_model']} | {r['experts']} | {r['k']} | {r['expert_d_ff']} | "
-                     f"{r['median_s']['ragged_dot'] * 1e3:.1f} | {r['median_s']['dense_loop'] * 1e3:.1f} | "
-                     f"{1 / r['dense_loop_over_ragged']:.2f}× | {r['max_abs_diff']:.1e} |\n")
+                     f"{med['grouped'] * 1e3:.1f} | {med['ragged_dot'] * 1e3:.1f} | {med['dense_loop'] * 1e3:.1f} | "
+                     f"{ratio['grouped']:.2f}× | {ratio['ragged_dot']:.2f}× | "
+                     f"{max(r['max_abs_diff_vs_dense_loop'].values()):.1e} |\n")
         text += (f"\nOne device, jitted forward + backward (gradients of x and the three weight stacks), median of "
-                 f"{micro_rows[0]['reps']} calls, the two alternated; `experts_dropless` against every expert on "
-                 f"every token masked by the routing. `ragged_dot` lowered as: {micro_rows[0]['ragged_dot_lowering']}.\n")
+                 f"{micro_rows[0]['reps']} calls each, the three alternated; all against `dense_loop` (every expert "
+                 f"on every token masked by the routing). `grouped`: `experts_dropless` as jaxpar runs it, its "
+                 f"grouped matmul lowered as: {micro_rows[0]['grouped_lowering']}; `ragged_dot`: the same with "
+                 f"`jax.lax.ragged_dot` in place of `jaxpar.model.moe.grouped`, lowered as: "
+                 f"{micro_rows[0]['ragged_dot_lowering']}. Max abs diff: the larger of the two against dense_loop.\n")
     text += (f"\nMeasured {machine['date']} on {machine['device_count']} simulated {machine['platform']} devices on "
              f"{machine['cpu_count']} shared CPU cores ({machine['cpu_model']}), jax {machine['jax_version']}, "
              f"CPU client pool PJRT_NPROC={machine['pjrt_nproc']}; 1-minute load average "
