@@ -239,10 +239,18 @@ def grouped(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Arr
 
 def _blocked(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Array:
     """The grouped matmul as a scan over blocks of b rows: each group padded to a multiple of b
-    (ceil(M/b) + E blocks, enough for any sizes), each block multiplied by its group's matrix.
-    The work is that of the rows plus at most E·b padding rows (MegaBlocks' layout, looped)."""
-    M, C = x_MxC.shape
-    E, _, O = w_ExCxO.shape
+    (ceil(M/b) + E blocks, enough for any sizes), each block multiplied by its group's matrix,
+    blocks past the last group skipped (a `lax.cond`: an expert-parallel receive buffer is mostly
+    empty). The work is that of the rows plus at most E·b padding rows (MegaBlocks' layout,
+    looped). Its own backward: the input's gradient the same way with the matrices transposed,
+    the weights' accumulated block by block (autodiff of the scan would keep every block's
+    weight slice as a residual: blocks x C x O)."""
+    axes = (*varying_axes(x_MxC), *varying_axes(w_ExCxO))
+    return _blocked_vjp(vary(x_MxC, axes), vary(w_ExCxO, axes), sizes_E)
+
+
+def _block_layout(M: int, E: int, sizes_E: jax.Array):
+    """(b, blocks, slot of each row (blocks·b: none), group of each block, blocks in use)."""
     b = min(GROUP_BLOCK, M)
     blocks = -(-M // b) + E
     ends = jnp.cumsum(sizes_E)
@@ -254,17 +262,64 @@ def _blocked(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Ar
     group = jnp.sum(row[:, None] >= ends[None, :], axis=1)  # E for rows past the groups
     g = jnp.minimum(group, E - 1)
     slot = jnp.where(group < E, padded_ends[g] - padded[g] + row - (ends[g] - sizes_E[g]), blocks * b)
-    axes = varying_axes(x_MxC)
-    xb = vary(jnp.zeros((blocks * b, C), x_MxC.dtype), axes).at[slot].set(x_MxC, mode="drop")
     block_group = jnp.minimum(jnp.sum((jnp.arange(blocks) * b)[:, None] >= padded_ends[None, :], axis=1), E - 1)
+    return b, blocks, slot, block_group, padded_ends[-1] // b
+
+
+def _to_blocks(x_MxC, slot, b, blocks):
+    out = vary(jnp.zeros((blocks * b, x_MxC.shape[1]), x_MxC.dtype), varying_axes(x_MxC))
+    return out.at[slot].set(x_MxC, mode="drop").reshape(blocks, b, x_MxC.shape[1])
+
+
+def _from_blocks(y_blocks, slot, b, blocks):
+    y = jnp.take(y_blocks.reshape(blocks * b, -1), jnp.minimum(slot, blocks * b - 1), axis=0)
+    return jnp.where((slot < blocks * b)[:, None], y, 0)
+
+
+def _blocked_matmul(x_MxC, w_ExCxO, sizes_E):
+    M, _ = x_MxC.shape
+    E, _, O = w_ExCxO.shape
+    b, blocks, slot, block_group, used = _block_layout(M, E, sizes_E)
+    dtype = jnp.result_type(x_MxC.dtype, w_ExCxO.dtype)
+    axes = (*varying_axes(x_MxC), *varying_axes(w_ExCxO))
 
     def block(_, xs):
-        x_bxC, e = xs
-        return None, x_bxC @ w_ExCxO[e]
+        x_bxC, e, j = xs
+        y = jax.lax.cond(j < used, lambda: x_bxC @ w_ExCxO[e], lambda: vary(jnp.zeros((b, O), dtype), axes))
+        return None, y
 
-    _, yb = jax.lax.scan(block, None, (xb.reshape(blocks, b, C), block_group))
-    y = jnp.take(yb.reshape(blocks * b, O), jnp.minimum(slot, blocks * b - 1), axis=0)
-    return jnp.where((group < E)[:, None], y, 0).astype(jnp.result_type(x_MxC.dtype, w_ExCxO.dtype))
+    _, yb = jax.lax.scan(block, None, (_to_blocks(x_MxC, slot, b, blocks), block_group, jnp.arange(blocks)))
+    return _from_blocks(yb, slot, b, blocks).astype(dtype)
+
+
+@jax.custom_vjp
+def _blocked_vjp(x_MxC, w_ExCxO, sizes_E):
+    return _blocked_matmul(x_MxC, w_ExCxO, sizes_E)
+
+
+def _blocked_fwd(x_MxC, w_ExCxO, sizes_E):
+    return _blocked_matmul(x_MxC, w_ExCxO, sizes_E), (x_MxC, w_ExCxO, sizes_E)
+
+
+def _blocked_bwd(res, g_MxO):
+    x_MxC, w_ExCxO, sizes_E = res
+    M, C = x_MxC.shape
+    E = w_ExCxO.shape[0]
+    g_MxO = g_MxO.astype(x_MxC.dtype)
+    dx = _blocked_matmul(g_MxO, jnp.swapaxes(w_ExCxO, 1, 2), sizes_E).astype(x_MxC.dtype)
+    b, blocks, slot, block_group, used = _block_layout(M, E, sizes_E)
+
+    def block(dw, xs):
+        x_bxC, g_bxO, e, j = xs
+        return jax.lax.cond(j < used, lambda dw: dw.at[e].add((x_bxC.T @ g_bxO).astype(dw.dtype)), lambda dw: dw, dw), None
+
+    dw0 = zeros_like_varying(w_ExCxO)
+    dw, _ = jax.lax.scan(block, dw0, (_to_blocks(x_MxC, slot, b, blocks), _to_blocks(g_MxO, slot, b, blocks),
+                                      block_group, jnp.arange(blocks)))
+    return dx, dw, None
+
+
+_blocked_vjp.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD) -> jax.Array:
