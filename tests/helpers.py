@@ -3,6 +3,10 @@ and `assert_parity`, the one comparison every parity test of the suite makes."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import jax
 import numpy as np
 import optax
@@ -162,3 +166,19 @@ def run_with_loss_and_grads(cfg: Config) -> dict:
     state = jax.device_get(state)
     return {"losses": np.array(losses), "grad_norms": np.array(norms), "grads": grads, "state": state,
             "params": state.params}
+
+
+def write_hf_config(folder, **changes) -> None:
+    """Change keys of a Hugging Face folder's config.json in place."""
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    c.update(changes)
+    with open(path, "w") as f:
+        json.dump(c, f)
+
+
+def copy_folder(src, dst) -> str:
+    """A copy of folder `src` at `dst` (its path, as a str)."""
+    shutil.copytree(src, dst)
+    return str(dst)

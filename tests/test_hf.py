@@ -11,7 +11,6 @@ import dataclasses
 import importlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -23,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from helpers import copy_folder as _copy, write_hf_config as _write_config  # noqa: E402
 from jaxpar import hf, model  # noqa: E402
 from jaxpar.config import Config  # noqa: E402
 from jaxpar.generate import generate  # noqa: E402
@@ -431,18 +431,6 @@ def test_generate_adds_the_familys_bos_and_stops_at_its_eos_ids(folders, loaded,
     assert run() == [words[i] for i in greedy[:stop]]
 
 
-def _write_config(folder, **changes) -> None:
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        c = json.load(f)
-    c.update(changes)
-    with open(path, "w") as f:
-        json.dump(c, f)
-
-
-def _copy(src, dst):
-    shutil.copytree(src, dst)
-    return str(dst)
 
 
 def _remove_a_shard(folder) -> None:

@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3MoeForCausalLM"):
     pytest.skip("transformers without Qwen3-MoE (added in 4.51)", allow_module_level=True)
 
+from helpers import copy_folder as _copy, write_hf_config as _write_config  # noqa: E402
 from jaxpar import hf, model  # noqa: E402
 from jaxpar.config import Config  # noqa: E402
 
@@ -326,15 +327,3 @@ def test_export_refuses_what_no_family_has(change, message, loaded, tmp_path):
     assert not os.listdir(tmp_path), "nothing may be written"
 
 
-def _write_config(folder, **changes) -> None:
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        c = json.load(f)
-    c.update(changes)
-    with open(path, "w") as f:
-        json.dump(c, f)
-
-
-def _copy(src, dst):
-    shutil.copytree(src, dst)
-    return str(dst)
