@@ -567,7 +567,7 @@ def validate(cfg: Config) -> None:
                  f"{m.rope_high_freq_factor} must satisfy 0 < low < high; set them to the checkpoint's (Llama 3.1: 1 and 4).")
         _require(m.rope_original_context > 0, f"model.rope_original_context = {m.rope_original_context} must be "
                                               "positive; Llama 3.1 uses 8192.")
-    if m.n_experts or m.n_experts < 0:
+    if m.n_experts != 0:
         _validate_moe(m)
     _require(m.norm_eps > 0, f"model.norm_eps = {m.norm_eps} must be positive; set it to a small number like 1e-5.")
     _require(m.init_std > 0, f"model.init_std = {m.init_std} must be positive; set it to e.g. 0.02.")

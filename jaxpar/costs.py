@@ -102,24 +102,18 @@ def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     out.update(local=0, sharded=0, blocks_sharded=0, blocks=0, staged=0, experts=0)
     ep, d = costs_moe.expert_parallel(cfg, mesh.shape["data"]), mesh.shape["data"]
     flat_names = jax.tree.leaves(model.param_names(cfg.model), is_leaf=lambda x: isinstance(x, tuple))
-    specs = [jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, P)) for tree in (layout.params, layout.grads,
-                                                                                      layout.moments)]
     flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
     flat_base = jax.tree.leaves(base, is_leaf=lambda x: isinstance(x, P))
     flat_dims = jax.tree.leaves(layout.zero_dims, is_leaf=lambda x: x is None or isinstance(x, int))
     flat_sdims = jax.tree.leaves(layout.stage_dims, is_leaf=lambda x: x is None or isinstance(x, int))
-    for (path, s), spec, dim, sdim, names, *stored in zip(flat_shapes, flat_base, flat_dims, flat_sdims, flat_names,
-                                                           *specs):
+    for (path, s), spec, dim, sdim, names in zip(flat_shapes, flat_base, flat_dims, flat_sdims, flat_names):
         nbytes = _leaf_bytes(s, spec, mesh)
         is_block = path[0].key == "blocks"
         if ep and costs_moe.is_expert_leaf(names):
-            # Expert parallelism: this rank's E/d experts, whatever the ZeRO layout says of the leaf.
+            # Expert parallelism: this rank's E/d experts (`base` has its data split stripped; the
+            # stored state of `state_bytes` counts them so already), never ZeRO-sharded.
             nbytes, dim = nbytes // d, None
             out["experts"] += nbytes
-            params, grads, moments = (_leaf_bytes(s, x, mesh) for x in stored)
-            out["params"] += nbytes - params
-            out["grads"] += nbytes - (grads if layout.zero >= 2 else s.size * s.dtype.itemsize)
-            out["optimizer"] += per_param * (nbytes - moments)
         out["local"] += nbytes
         out["blocks"] += nbytes * is_block
         out["staged"] += nbytes * (sdim is not None)
@@ -532,11 +526,11 @@ def hardware_flops_per_token(cfg: Config, p: int) -> float:
     forward = 2 * n + attn_fwd
     if m.moe:  # MoE layers (`jaxpar.costs_moe`): the experts' forward again under dots_except_mlp
         mlp_in = 0
-        attn_fwd_moe = costs_moe.recomputed_flops_per_token(m, remat)
+        experts_again = costs_moe.recomputed_flops_per_token(m, remat)
     else:
         mlp_in = 2 * m.n_layers * m.d_model * m.d_ff * (2 if m.arch == "llama" else 1)
-        attn_fwd_moe = 0
-    return total + attn_fwd_moe + {"none": 0, "full": forward, "dots": attn_fwd, "offload": attn_fwd,
+        experts_again = 0
+    return total + experts_again + {"none": 0, "full": forward, "dots": attn_fwd, "offload": attn_fwd,
                                    "dots_except_mlp": attn_fwd + mlp_in}[remat]
 
 

@@ -213,10 +213,14 @@ def state_bytes(layout: Layout, shapes: Any, mesh: Mesh, moments_per_param: int 
         return sum(jax.tree.leaves(jax.tree.map(leaf, specs, shapes, is_leaf=lambda x: isinstance(x, P))))
 
     full = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))
+    # ZeRO-1 reduce-scatters its gradients too, but (with microbatches) holds them whole first; an
+    # expert-parallel leaf's gradient is this rank's experts' only, whatever the ZeRO stage.
+    experts = layout.experts if layout.experts is not None else jax.tree.map(lambda _: False, shapes)
+    held = layout.grads if layout.zero >= 2 else jax.tree.map(
+        lambda spec, e: spec if e else P(), layout.grads, experts, is_leaf=lambda x: isinstance(x, P))
     return {
         "params": {"per_device": per_device(layout.params), "replicated": full},
-        # ZeRO-1 reduce-scatters its gradients too, but (with microbatches) holds them whole first.
-        "grads": {"per_device": per_device(layout.grads) if layout.zero >= 2 else full, "replicated": full},
+        "grads": {"per_device": per_device(held), "replicated": full},
         "optimizer": {"per_device": moments_per_param * per_device(layout.moments),
                       "replicated": moments_per_param * full},
     }
