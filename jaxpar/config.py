@@ -123,6 +123,11 @@ class ModelConfig:
     """MoE: null is dropless (every token reaches its k experts). A number c caps each expert at
     ceil(c x seq_len x k / n_experts) tokens per sequence (a group that does not depend on the
     mesh); assignments beyond it are dropped (top-1 choices first, then by position: Switch)."""
+    moe_layers: str = "all"
+    """MoE: which layers are MoE (the others have a dense MLP of width d_ff): `all`; `every:N`
+    (layers N-1, 2N-1, ...: Qwen2-MoE's decoder_sparse_step, Llama 4's interleave step);
+    `first_dense:K` (layers K onwards: DeepSeek-V3's first_k_dense_replace); or
+    `first_dense:K,every:N` (after K dense layers, every N-th). DESIGN.md §10."""
     init_from: str | None = None
     """A local Hugging Face model folder (config.json + *.safetensors) to start from (fine-tuning);
     its shapes must match this model section. Null initializes at random from train.seed."""
@@ -144,6 +149,25 @@ class ModelConfig:
     @property
     def moe(self) -> bool:
         return self.n_experts > 0
+
+    @property
+    def moe_pattern(self) -> tuple[int, int]:
+        """(K, N) of `moe_layers`: K dense layers first, then every N-th layer MoE ((0, 1): all)."""
+        return parse_moe_layers(self.moe_layers)
+
+    @property
+    def mixed(self) -> bool:
+        """An MoE model with dense layers too: its blocks are two stacks, {"dense", "moe"}."""
+        return self.moe and self.moe_pattern != (0, 1)
+
+    @property
+    def n_moe_layers(self) -> int:
+        K, N = self.moe_pattern
+        return (self.n_layers - K) // N if self.moe else 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        K, N = self.moe_pattern
+        return self.moe and i >= K and (i - K + 1) % N == 0
 
     @property
     def expert_width(self) -> int:
@@ -508,6 +532,20 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def parse_moe_layers(text: str) -> tuple[int, int]:
+    """`model.moe_layers` as (K dense layers first, then every N-th layer MoE)."""
+    if str(text).strip() == "all":
+        return 0, 1
+    parts = {}
+    for item in str(text).replace(" ", "").split(","):
+        key, _, value = item.partition(":")
+        if key not in ("first_dense", "every") or key in parts or not value.isdigit():
+            raise ConfigError(f"model.moe_layers = {text!r} is not a layer pattern; write all, every:N, "
+                              "first_dense:K or first_dense:K,every:N (e.g. every:2).")
+        parts[key] = int(value)
+    return parts.get("first_dense", 0), parts.get("every", 1)
+
+
 def _validate_moe(m: ModelConfig) -> None:
     """The mixture-of-experts keys (`model.n_experts` > 0)."""
     _require(m.n_experts > 0, f"model.n_experts = {m.n_experts} must not be negative; set it to 0 for a dense MLP "
@@ -523,6 +561,11 @@ def _validate_moe(m: ModelConfig) -> None:
     _require(m.capacity_factor is None or m.capacity_factor > 0,
              f"model.capacity_factor = {m.capacity_factor} must be positive; set it to e.g. 1.25, or null for "
              "dropless routing.")
+    K, N = m.moe_pattern
+    _require(N >= 1 and (m.n_layers - K) % N == 0 and m.n_layers - K >= N,
+             f"model.moe_layers = {m.moe_layers} does not fit model.n_layers = {m.n_layers}: the layers after the "
+             f"{K} dense ones must be whole groups of {N} (each ending in its MoE layer), at least one; change "
+             "n_layers or the pattern.")
     for key in ("router_aux_loss", "router_z_loss", "router_bias_rate"):
         _require(getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must not be negative; set it to 0 to "
                                        "turn it off.")
@@ -569,6 +612,9 @@ def validate(cfg: Config) -> None:
                                               "positive; Llama 3.1 uses 8192.")
     if m.n_experts != 0:
         _validate_moe(m)
+    else:
+        _require(m.moe_pattern == (0, 1), f"model.moe_layers = {m.moe_layers} needs model.n_experts > 0 (a dense "
+                                          "model has no MoE layers); set n_experts, or moe_layers=all.")
     _require(m.norm_eps > 0, f"model.norm_eps = {m.norm_eps} must be positive; set it to a small number like 1e-5.")
     _require(m.init_std > 0, f"model.init_std = {m.init_std} must be positive; set it to e.g. 0.02.")
 
@@ -742,6 +788,13 @@ def check_stage_axis(cfg: Config, p: int) -> None:
                  f"model.n_layers = {m.n_layers} must be divisible by mesh.stage = {p} even with "
                  f"parallel.stage_layers: the parameters are stored evenly split over stages; choose n_layers "
                  f"as a multiple of {p}.")
+    if m.mixed:  # each chunk must hold whole groups of the pattern, the same ones on every stage
+        K, N = m.moe_pattern
+        _require(K == 0 and par.stage_layers is None and m.n_moe_layers % chunks == 0,
+                 f"model.moe_layers = {m.moe_layers} cannot be pipelined over mesh.stage x parallel.virtual_stages "
+                 f"= {chunks} chunks: each chunk must hold the same whole groups of {N} layers (no dense first "
+                 f"layers, no parallel.stage_layers, {m.n_moe_layers} MoE layers divisible by {chunks}); change the "
+                 "pattern, n_layers or mesh.stage.")
     _require(par.stage_layers is not None or m.n_layers % chunks == 0,
              f"model.n_layers = {m.n_layers} cannot be split evenly into mesh.stage x parallel.virtual_stages "
              f"= {p} x {par.virtual_stages} = {chunks} pipeline chunks; choose n_layers as a multiple of {chunks}, "

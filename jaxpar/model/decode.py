@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.layers import Attention, apply_rope, rope_tables
-from jaxpar.model.transformer import Params, _block_names, bind
+from jaxpar.model.transformer import Params, _block_names, bind, block_kinds, layer_order, scan_layers, stack
 from jaxpar.sharding import constrain, embed_lookup, enter_tp, exit_tp, use_params
 
 Cache = dict[str, jax.Array]  # {"k", "v"}: [layers, B, S, K, H] in the compute dtype
@@ -62,20 +63,32 @@ def extend(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, cache: Cache
     if cfg.arch == "gpt2":
         x_BxTxD = x_BxTxD + jax.lax.dynamic_slice_in_dim(m.pos_embed[...], pos, T).astype(cfg.dtype)[None]
     x_BxTxD = constrain(x_BxTxD, ("batch", "sp_seq", "embed"))
-    graphdef, state = nnx.split(m.blocks)
-    template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
     names = _block_names(cfg)
+    order = layer_order(cfg)
+    merged, params_, caches = {}, {}, {}
+    for kind in block_kinds(cfg):
+        graphdef, state = nnx.split(stack(m.blocks, kind))
+        template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
+        merged[kind] = (graphdef, template, stack(names, kind))
+        params_[kind] = nnx.to_pure_dict(state)
+        # A mixed model's cache rows in each stack's layer order (a static gather, and back below).
+        caches[kind] = cache if not kind else {n: c[order[kind]] for n, c in cache.items()}
 
-    def body(x_BxTxD, inputs):
-        layer_params, k_BxSxKxH, v_BxSxKxH = inputs
+    def layer(kind, layer_params, layer_cache, i, x_BxTxD):
+        graphdef, template, kind_names = merged[kind]
         layer_state = jax.tree.map(lambda v: v, template)
-        nnx.replace_by_pure_dict(layer_state, use_params(layer_params, names))
+        nnx.replace_by_pure_dict(layer_state, use_params(layer_params, kind_names))
         block = nnx.merge(graphdef, layer_state)
-        a_BxTxD, k_BxSxKxH, v_BxSxKxH = _attend(block.attn, enter_tp(block.attn_norm(x_BxTxD)), k_BxSxKxH,
-                                                v_BxSxKxH, pos)
+        a_BxTxD, k_BxSxKxH, v_BxSxKxH = _attend(block.attn, enter_tp(block.attn_norm(x_BxTxD)), layer_cache["k"],
+                                                layer_cache["v"], pos)
         x_BxTxD = x_BxTxD + a_BxTxD
         x_BxTxD = x_BxTxD + block.mlp(enter_tp(block.mlp_norm(x_BxTxD)))
-        return x_BxTxD, (k_BxSxKxH, v_BxSxKxH)
+        return x_BxTxD, {"k": k_BxSxKxH, "v": v_BxSxKxH}
 
-    x_BxTxD, (k, v) = jax.lax.scan(body, x_BxTxD, (nnx.to_pure_dict(state), cache["k"], cache["v"]))
-    return m.head(x_BxTxD), {"k": k, "v": v}
+    x_BxTxD, new = scan_layers(cfg, params_, x_BxTxD, layer, caches)
+    if cfg.mixed:
+        back = np.argsort(np.concatenate([order["dense"], order["moe"]]))
+        new = {n: jnp.concatenate([new["dense"][n], new["moe"][n]])[back] for n in cache}
+    else:
+        new = new[""]
+    return m.head(x_BxTxD), new

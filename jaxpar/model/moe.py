@@ -63,10 +63,20 @@ def split_stats(cfg: ModelConfig, grads: Any) -> tuple[Any, jax.Array | None]:
     stats leaf's "gradient" is what the routers reported, never an update."""
     if not cfg.moe:
         return grads, None
-    mlp = grads["blocks"]["mlp"]
+    mlp = _moe_blocks(cfg, grads)["mlp"]
     stats = mlp["router_stats"]
-    mlp = {**mlp, "router_stats": jnp.zeros_like(stats)}
-    return {**grads, "blocks": {**grads["blocks"], "mlp": mlp}}, stats.astype(jnp.float32)
+    return _with_mlp(cfg, grads, {**mlp, "router_stats": jnp.zeros_like(stats)}), stats.astype(jnp.float32)
+
+
+def _moe_blocks(cfg: ModelConfig, tree: Any) -> Any:
+    """The MoE layers' stacked blocks in a parameter-shaped tree (a mixed model's `moe` stack)."""
+    return tree["blocks"]["moe"] if cfg.mixed else tree["blocks"]
+
+
+def _with_mlp(cfg: ModelConfig, tree: Any, mlp: Any) -> Any:
+    """`tree` with the MoE layers' `mlp` subtree replaced."""
+    blocks = {**_moe_blocks(cfg, tree), "mlp": mlp}
+    return {**tree, "blocks": {**tree["blocks"], "moe": blocks} if cfg.mixed else blocks}
 
 
 def is_stats(path) -> bool:
@@ -93,10 +103,10 @@ def update_bias(cfg: ModelConfig, params: Any, stats: jax.Array) -> Any:
         return params
     E = cfg.n_experts
     load = stats[:, :E]
-    mlp = params["blocks"]["mlp"]
+    mlp = _moe_blocks(cfg, params)["mlp"]
     bias = mlp["router_bias"]
     new = bias + (cfg.router_bias_rate * jnp.sign(1.0 / E - load)).astype(bias.dtype)
-    return {**params, "blocks": {**params["blocks"], "mlp": {**mlp, "router_bias": new}}}
+    return _with_mlp(cfg, params, {**mlp, "router_bias": new})
 
 
 class MoE(nnx.Module):

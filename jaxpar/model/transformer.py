@@ -7,15 +7,17 @@ dict of arrays (`init_params`, `apply`), with a matching tree of logical names (
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.layers import Block, active_split, block_class, norm, param
+from jaxpar.model.layers import active_split, block_class, norm, param
 from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
 
 Params = dict[str, Any]
@@ -53,14 +55,9 @@ class Transformer(nnx.Module):
         if cfg.arch == "gpt2":
             self.pos_embed = param(rngs, (cfg.seq_len, D), ("pos", "embed"), pd, std / 2)
 
-        block = block_class(cfg)
-
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(rngs: nnx.Rngs) -> nnx.Module:
-            return block(cfg, rngs=rngs)
-
-        self.blocks = stacked_blocks(rngs)
+        # One stack of blocks; an MoE model with dense layers too (`model.moe_layers`) has two,
+        # each in layer order: {"dense", "moe"} (`MixedBlocks`).
+        self.blocks = MixedBlocks(cfg, rngs=rngs) if cfg.mixed else _stacked(block_class(cfg), cfg, cfg.n_layers, rngs)
         self.final_norm = norm(cfg)
         if not cfg.tied:  # else the output projection is the embedding (gpt2; tied llamas)
             self.lm_head = param(rngs, (D, V), ("embed", "vocab"), pd, std)
@@ -80,8 +77,7 @@ class Transformer(nnx.Module):
     def backbone(self, x_BxTxD: jax.Array, *, remat: str = "none", n_active: jax.Array | None = None) -> jax.Array:
         """All blocks, scanned over `layers` (only the first `n_active` of them, when given: the
         rest pass x through, e.g. padding layers of a pipeline stage that holds fewer layers)."""
-        cfg = self.cfg
-        return run_blocks(self.blocks, x_BxTxD, remat, _block_names(cfg), n_active)
+        return run_blocks(self.cfg, self.blocks, x_BxTxD, remat, n_active)
 
     def head(self, x_BxTxD: jax.Array) -> jax.Array:
         """Final norm and output projection: logits [B, T, V] in float32 (this rank's slice of the
@@ -101,32 +97,126 @@ def token_ids(tokens_BxT: jax.Array) -> jax.Array:
     return jnp.maximum(tokens_BxT, ~tokens_BxT)
 
 
-def run_blocks(blocks: Block, x_BxTxD: jax.Array, remat: str, names: Any, n_active: jax.Array | None = None
-               ) -> jax.Array:
-    """Scan `x` through stacked `blocks` (params with a leading `layers` dim, one layer's dims named
-    by `names`); layers at index >= `n_active` (if given) leave x unchanged."""
-    graphdef, state = nnx.split(blocks)
-    template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
-    n_layers = jax.tree.leaves(state)[0].shape[0]
+def _stacked(block: type, cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> nnx.Module:
+    """`n` blocks with their parameters stacked on a leading `layers` dim."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def stacked_blocks(rngs: nnx.Rngs) -> nnx.Module:
+        return block(cfg, rngs=rngs)
 
+    return stacked_blocks(rngs)
+
+
+def dense_config(cfg: ModelConfig) -> ModelConfig:
+    """The config of a mixed model's dense layers (a dense MLP of width d_ff)."""
+    return dataclasses.replace(cfg, n_experts=0, moe_layers="all")
+
+
+class MixedBlocks(nnx.Module):
+    """The blocks of an MoE model with dense layers (`model.moe_layers`): the dense layers' blocks
+    stacked in layer order (`dense`), the MoE layers' likewise (`moe`). Each stack is uniform, so
+    each is scanned, stored over `stage` and ZeRO-sharded like a whole model's stack; the layer
+    order interleaves them (`scan_layers`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        block = block_class(cfg)
+        self.dense = _stacked(block, dense_config(cfg), cfg.n_layers - cfg.n_moe_layers, rngs)
+        self.moe = _stacked(block, cfg, cfg.n_moe_layers, rngs)
+
+
+def block_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """The stacks of `blocks`: ("dense", "moe") for a mixed model, else one ("": `blocks` itself)."""
+    return ("dense", "moe") if cfg.mixed else ("",)
+
+
+def stack(tree: Any, kind: str) -> Any:
+    """A stack's subtree of a `blocks` tree (params, names, gradients, ...) or module."""
+    if not kind:
+        return tree
+    return getattr(tree, kind) if isinstance(tree, nnx.Module) else tree[kind]
+
+
+def scan_layers(cfg: ModelConfig, stacks: dict[str, Any], x: Any, layer_fn: Callable, extras: dict[str, Any] | None = None
+                ) -> tuple[Any, dict[str, Any]]:
+    """Run `x` through every layer in order: `layer_fn(kind, layer_params, layer_extra, i, x) ->
+    (x, out)` with each stack's layers (`stacks`: kind -> tree stacked [n, ...], kinds as
+    `block_kinds`; i: the index in its stack) and a per-layer extra stacked alike (or None).
+    Returns x and kind -> the outs stacked alike. One scan per stack; a mixed model scans its
+    dense first layers, then groups of N - 1 dense layers and one MoE layer (a scan over groups
+    of a scan over the group's dense layers), so compile time does not grow with depth."""
+    extras = extras if extras is not None else {k: None for k in stacks}
+
+    def run(kind, params, extra, idx, x):
+        return jax.lax.scan(lambda x, a: layer_fn(kind, a[0], a[1], a[2], x), x, (params, extra, idx))
+
+    if not cfg.mixed:
+        n = jax.tree.leaves(stacks[""])[0].shape[0]
+        x, out = run("", stacks[""], extras[""], jnp.arange(n), x)
+        return x, {"": out}
+    K, N = cfg.moe_pattern
+    U = cfg.n_moe_layers
+    first = lambda t: jax.tree.map(lambda a: a[:K], t)  # noqa: E731
+    groups = lambda t: jax.tree.map(lambda a: a[K:].reshape(U, N - 1, *a.shape[1:]), t)  # noqa: E731
+    outs_first = None
+    if K:
+        x, outs_first = run("dense", first(stacks["dense"]), first(extras["dense"]), jnp.arange(K), x)
+    if N == 1:
+        x, outs_moe = run("moe", stacks["moe"], extras["moe"], jnp.arange(U), x)
+        return x, {"dense": outs_first, "moe": outs_moe}
+
+    def group(x, a):
+        dense, dense_extra, moe, moe_extra, u = a
+        x, outs_dense = run("dense", dense, dense_extra, K + u * (N - 1) + jnp.arange(N - 1), x)
+        x, out_moe = layer_fn("moe", moe, moe_extra, u, x)
+        return x, (outs_dense, out_moe)
+
+    x, (outs_dense, outs_moe) = jax.lax.scan(group, x, (groups(stacks["dense"]), groups(extras["dense"]), stacks["moe"],
+                                                       extras["moe"], jnp.arange(U)))
+    outs_dense = jax.tree.map(lambda a: a.reshape(U * (N - 1), *a.shape[2:]), outs_dense)
+    if K:
+        outs_dense = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs_first, outs_dense)
+    return x, {"dense": outs_dense, "moe": outs_moe}
+
+
+def layer_order(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """kind -> the model's layer index of each entry of that stack."""
+    if not cfg.mixed:
+        return {"": np.arange(cfg.n_layers)}
+    moe = np.array([cfg.is_moe_layer(i) for i in range(cfg.n_layers)])
+    return {"dense": np.flatnonzero(~moe), "moe": np.flatnonzero(moe)}
+
+
+def run_blocks(cfg: ModelConfig, blocks: nnx.Module, x_BxTxD: jax.Array, remat: str, n_active: jax.Array | None = None
+               ) -> jax.Array:
+    """Scan `x` through the stacked `blocks` (params with a leading `layers` dim; two stacks for a
+    mixed model); layers at index >= `n_active` (if given) leave x unchanged."""
     split = active_split()  # the pipeline's split backward: each layer's matmul taps are scanned too
     taps = split.taps if split is not None else None
+    names = _block_names(cfg)
+    bodies, params, layer_taps = {}, {}, {}
+    for kind in block_kinds(cfg):
+        graphdef, state = nnx.split(stack(blocks, kind))
+        template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
+        prefix = f"['{kind}']" if kind else ""  # taps are keyed by the parameter's path in `blocks`
+        params[kind] = nnx.to_pure_dict(state)
+        layer_taps[kind] = None if taps is None else {k: v for k, v in taps.items() if k.startswith(prefix)}
 
-    def body(x, inputs):
-        layer_params, i, layer_taps = inputs
-        # This layer's parameters enter here: under data parallelism their gradients are reduced
-        # at this point of the backward pass, one layer at a time, overlapping the next layer.
-        layer_state = jax.tree.map(lambda v: v, template)
-        handed = use_params(layer_params, names)
-        nnx.replace_by_pure_dict(layer_state, handed)
-        if split is not None:  # `linear` finds its tap by the identity of the parameter it is handed
-            split.paths = {id(v): jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(handed)}
-            split.layer_taps = layer_taps
-        y = nnx.merge(graphdef, layer_state)(x)
-        return (y if n_active is None else jnp.where(i < n_active, y, x)), None
+        def body(x, inputs, graphdef=graphdef, template=template, kind_names=stack(names, kind), prefix=prefix):
+            layer_params, tap, i = inputs
+            # This layer's parameters enter here: under data parallelism their gradients are
+            # reduced at this point of the backward pass, one layer at a time, overlapping the next.
+            layer_state = jax.tree.map(lambda v: v, template)
+            handed = use_params(layer_params, kind_names)
+            nnx.replace_by_pure_dict(layer_state, handed)
+            if split is not None:  # `linear` finds its tap by the identity of the parameter it is handed
+                split.paths = {id(v): prefix + jax.tree_util.keystr(k)
+                               for k, v in jax.tree_util.tree_leaves_with_path(handed)}
+                split.layer_taps = tap
+            y = nnx.merge(graphdef, layer_state)(x)
+            return (y if n_active is None else jnp.where(i < n_active, y, x)), None
 
-    body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (nnx.to_pure_dict(state), jnp.arange(n_layers), taps))
+        bodies[kind] = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x_BxTxD, _ = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: bodies[kind](x, (p, tap, i)), layer_taps)
     return x_BxTxD
 
 
@@ -192,7 +282,7 @@ def count_params(cfg: ModelConfig, *, embeddings: bool = True, active: bool = Fa
     if not embeddings:
         total -= shapes["embed"].size + (shapes["pos_embed"].size if "pos_embed" in shapes else 0)
     if active and cfg.moe:
-        mlp = shapes["blocks"]["mlp"]
+        mlp = stack(shapes["blocks"], "moe" if cfg.mixed else "")["mlp"]
         idle = (cfg.n_experts - cfg.experts_per_token) / cfg.n_experts
         total -= round(sum(mlp[k].size for k in ("w_gate", "w_up", "w_down")) * idle)
         total -= sum(mlp[k].size for k in ("router_stats", "router_bias") if k in mlp)

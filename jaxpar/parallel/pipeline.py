@@ -107,7 +107,6 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     # Uneven stages hold max(counts) layer slots each; the slots past a stage's count are padding
     # that passes activations through (`n_active`) and receives no gradient.
     chunk_cfg = dataclasses.replace(cfg.model, n_layers=max(counts) if uneven else L // (p * v))
-    n_chunk_layers = chunk_cfg.n_layers
     model.param_names(chunk_cfg)  # build (and cache) the chunk model's abstract state outside any mesh context
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
     sp = cfg.parallel.sequence_parallel and t > 1
@@ -198,6 +197,8 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         block_def = jax.tree.structure(jax.tree.map(lambda w: w[0], blocks))
         paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(jax.tree.map(lambda w: w[0], blocks))]
         flat = lambda tree: dict(zip(paths, jax.tree.leaves(tree)))  # noqa: E731
+        # The layers of a chunk in each leaf's stack (a mixed model's dense and MoE stacks differ).
+        chunk_layers = {k_: w.shape[0] for k_, w in flat(jax.tree.map(lambda w: w[0], blocks)).items()}
         unflat = lambda d: jax.tree.unflatten(block_def, [d[k] for k in paths])  # noqa: E731
         dim_of = flat(jax.tree.map(lambda dim: -1 if dim is None else dim, block_dims,
                                    is_leaf=lambda x: x is None or isinstance(x, int)))
@@ -211,7 +212,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         residuals, taps = {}, {}
 
         def zero_taps():
-            return {k: (zeros((n_chunk_layers, *xs), xd, ax), zeros((n_chunk_layers, *gs), gd, ax))
+            return {k: (zeros((chunk_layers[k], *xs), xd, ax), zeros((chunk_layers[k], *gs), gd, ax))
                     for k, (xs, xd, gs, gd, ax, _) in taps.items()}
 
         def linearize(x_in, mb, k):
@@ -281,7 +282,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             microbatch (float32, as the reduction at use would)."""
             out = {}
             for k_, (x2, g2) in d_taps.items():
-                dw = weight_gradient(x2, g2).reshape(n_chunk_layers, *taps[k_][5]).astype(jnp.float32)
+                dw = weight_gradient(x2, g2).reshape(chunk_layers[k_], *taps[k_][5]).astype(jnp.float32)
                 # A weight the matmul made varying (e.g. kv heads replicated over `model` under
                 # tensor parallelism): summed over those axes, as the cast's transpose would.
                 extra = tuple(a for a in varying_axes(dw) if a not in acc_axes[k_])
@@ -396,7 +397,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                           for a in saved_avals)
             # What I keeps for W (each tapped matmul's input and output cotangent) goes into its
             # stash slot, over residuals that I has consumed; the wstash holds what does not fit.
-            items = {(k_, j): ((n_chunk_layers, *shape), dtype, ax) for k_, (xs, xd, gs, gd, ax, _) in taps.items()
+            items = {(k_, j): ((chunk_layers[k_], *shape), dtype, ax) for k_, (xs, xd, gs, gd, ax, _) in taps.items()
                      for j, (shape, dtype) in enumerate(((xs, xd), (gs, gd)))}
             packing = _pack(items, [(s_.shape[1:], s_.dtype, varying_axes(s_)) for s_ in stash])
             wstash = {key: zeros((table.wstash, *items[key][0]), items[key][1], items[key][2])

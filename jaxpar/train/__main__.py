@@ -40,7 +40,8 @@ def summary(cfg, mesh) -> str:
     shapes = model.param_shapes(m)
     state = state_bytes(make_layout(cfg, mesh, model.param_names(m), shapes), shapes, mesh)
     per_device = ", ".join(f"{k} {_mib(v['per_device'])} of {_mib(v['replicated'])}" for k, v in state.items())
-    experts = (f"; MoE: {m.n_experts} experts of d_ff {m.expert_width}, top-{m.experts_per_token}"
+    experts = (f"; MoE{f' in {m.n_moe_layers} of {m.n_layers} layers ({m.moe_layers})' if m.mixed else ''}: "
+               f"{m.n_experts} experts of d_ff {m.expert_width}, top-{m.experts_per_token}"
                f"{f', {m.n_shared_experts} shared' if m.n_shared_experts else ''}, router {m.router}, "
                f"{'dropless' if m.capacity_factor is None else f'capacity factor {m.capacity_factor:g}'}, "
                f"{model.count_params(m, active=True):,} parameters active per token" if m.moe else "")
