@@ -252,8 +252,9 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # slot for the head's cotangent); with a split table, I writes each weight matmul's
         # input and output cotangent for W into that slot, over what it consumed, and what does
         # not fit into the wstash (`pipeline._pack`: with remat `none` everything fits).
-        width = _tap_width(m, t) if not m.moe else _tap_width(m, t, mlp=False) + costs_moe.tap_width(m, t)
-        taps = rows * m.seq_len * layers * width * _BYTES[m.dtype] if table.split else 0
+        f = costs_moe.moe_fraction(m)  # (per layer: a mixed model's mean of both kinds)
+        width = _tap_width(m, t, mlp=False) + f * costs_moe.tap_width(m, t) + (1 - f) * (_tap_width(m, t) - _tap_width(m, t, mlp=False))
+        taps = int(rows * m.seq_len * layers * width * _BYTES[m.dtype]) if table.split else 0
         homeless = max(0, taps - (act["layers"] + msg))
         buffers = ((table.fwd_slots + table.bwd_slots) * msg + table.stash * (act["layers"] + msg)
                    + table.wstash * homeless + (par.remat == "none") * taps)
@@ -524,12 +525,10 @@ def hardware_flops_per_token(cfg: Config, p: int) -> float:
     attn_fwd = 4 * m.n_layers * m.n_heads * m.head_size * m.seq_len
     total = model_flops_per_token(cfg) + (6 * m.d_model * m.padded_vocab if m.tied else 0)
     forward = 2 * n + attn_fwd
-    if m.moe:  # MoE layers (`jaxpar.costs_moe`): the experts' forward again under dots_except_mlp
-        mlp_in = 0
-        experts_again = costs_moe.recomputed_flops_per_token(m, remat)
-    else:
-        mlp_in = 2 * m.n_layers * m.d_model * m.d_ff * (2 if m.arch == "llama" else 1)
-        experts_again = 0
+    # MoE layers (`jaxpar.costs_moe`): the experts' forward again under dots_except_mlp; the
+    # dense layers' MLP inputs (every layer of a dense model, some of a mixed one).
+    experts_again = costs_moe.recomputed_flops_per_token(m, remat) if m.moe else 0
+    mlp_in = 2 * (m.n_layers - m.n_moe_layers) * m.d_model * m.d_ff * (2 if m.arch == "llama" else 1)
     return total + experts_again + {"none": 0, "full": forward, "dots": attn_fwd, "offload": attn_fwd,
                                    "dots_except_mlp": attn_fwd + mlp_in}[remat]
 
@@ -575,11 +574,13 @@ def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dic
         return gemm_rows(M, k, n, units)
 
     width = F // t
-    if m.moe:  # the MoE layer's matmuls instead of the dense MLP's (`jaxpar.costs_moe`; the router in float32)
+    if m.moe:  # the MoE layers' matmuls instead of the dense MLP's (`jaxpar.costs_moe`; the router in float32)
+        f = costs_moe.moe_fraction(m)  # a mixed model (`model.moe_layers`): per layer, the mean of both kinds
+        dense_mlp = sum(gemm(k, n, gemm_units) for k, n in shapes[2:])
         shapes = shapes[:2]
-        moe = costs_moe.gemm_terms(cfg, shape, M, gemm_rows, gemm_units, lambda r, k, n, u: gemm_rows(
-            r, k, n, u, peak=hw.peak_flops_fp32, act=4))
-        width = costs_moe.mlp_width(m, t)
+        moe = f * costs_moe.gemm_terms(cfg, shape, M, gemm_rows, gemm_units, lambda r, k, n, u: gemm_rows(
+            r, k, n, u, peak=hw.peak_flops_fp32, act=4)) + (1 - f) * dense_mlp
+        width = f * costs_moe.mlp_width(m, t) + (1 - f) * width
     else:
         moe = 0.0
 

@@ -140,12 +140,23 @@ def _activations(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool, flas
     scan (`layers`), once for the step (`fixed`: RoPE tables, the causal mask), and outside the
     scan per row (`outside`: embedding, head, loss); and of one layer with no remat
     (`layer_all`) and with `remat` (`layer_saved`)."""
-    base = dataclasses.replace(mcfg, n_layers=1)
-    a, b, c, e = _bilinear(base, t, sp, remat, head, flash)
-    _, _, c0, e0 = _bilinear(base, t, sp, "none", head, flash)
-    L = mcfg.n_layers
-    return {"layers": int((c + e * rows) * L), "fixed": int(a), "outside": int(b * rows),
-            "layer_saved": int(c + e * rows), "layer_all": int(c0 + e0 * rows)}
+    out = {"layers": 0, "layer_saved": 0, "layer_all": 0}
+    for base, count in _layer_kinds(mcfg):
+        a, b, c, e = _bilinear(base, t, sp, remat, head, flash)
+        _, _, c0, e0 = _bilinear(base, t, sp, "none", head, flash)
+        out["layers"] += int((c + e * rows) * count)  # the largest layer's, for what one layer holds:
+        out["layer_saved"] = max(out["layer_saved"], int(c + e * rows))
+        out["layer_all"] = max(out["layer_all"], int(c0 + e0 * rows))
+    return {**out, "fixed": int(a), "outside": int(b * rows)}
+
+
+def _layer_kinds(mcfg) -> list:
+    """(a one-layer config, how many layers are like it): one kind, or a mixed MoE model's dense
+    and MoE layers (`model.moe_layers`)."""
+    if not mcfg.mixed:
+        return [(dataclasses.replace(mcfg, n_layers=1), mcfg.n_layers)]
+    one = dataclasses.replace(mcfg, n_layers=1, moe_layers="all")
+    return [(one, mcfg.n_moe_layers), (model.dense_config(one), mcfg.n_layers - mcfg.n_moe_layers)]
 
 
 def _offloaded(mcfg, rows: int, t: int, sp: bool, remat: str, flash: bool, platform: str) -> int:
@@ -154,8 +165,11 @@ def _offloaded(mcfg, rows: int, t: int, sp: bool, remat: str, flash: bool, platf
     equal to `dots`' temp bytes)."""
     if remat != "offload" or platform == "cpu":
         return 0
-    _, _, c, e = _bilinear(dataclasses.replace(mcfg, n_layers=1), t, sp, remat, True, flash, "host")
-    return int((c + e * rows) * mcfg.n_layers)
+    total = 0
+    for base, count in _layer_kinds(mcfg):
+        _, _, c, e = _bilinear(base, t, sp, remat, True, flash, "host")
+        total += int((c + e * rows) * count)
+    return total
 
 
 def _tap_width(m, t: int, mlp: bool = True) -> int:

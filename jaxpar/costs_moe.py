@@ -51,6 +51,11 @@ def describe_params(mcfg) -> str:
     return f"{total:,} parameters" if not mcfg.moe else f"{total:,} total, {active:,} active parameters"
 
 
+def moe_fraction(mcfg) -> float:
+    """The share of the layers that are MoE layers (1 unless `model.moe_layers` mixes in dense ones)."""
+    return mcfg.n_moe_layers / mcfg.n_layers if mcfg.moe else 0.0
+
+
 def capacity_scale(mcfg) -> float:
     """The all-to-all's volume relative to dropless: capacity_factor in capacity mode, else 1."""
     return 1.0 if mcfg.capacity_factor is None else float(mcfg.capacity_factor)
@@ -66,14 +71,14 @@ def recomputes_experts(remat: str) -> bool:
 def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
     """(result bytes per device of one all-to-all, how many per step) of expert parallelism on
     `data`: (tokens on the device) x k x d_model elements of the compute dtype, x capacity_factor;
-    4 per MoE layer of this device (n_layers / stage) per microbatch, 2 more per recomputed
+    4 per MoE layer of this device (MoE layers / stage) per microbatch, 2 more per recomputed
     forward. (0, 0) without expert parallelism."""
     d, p, _ = shape
     m, par = cfg.model, cfg.parallel
     if not expert_parallel(cfg, d):
         return 0.0, 0
     volume = rows * m.seq_len * m.experts_per_token * m.d_model * act_size * capacity_scale(m)
-    layers = m.n_layers // p if par.stage_layers is None else max(par.stage_layers)
+    layers = m.n_moe_layers // p if par.stage_layers is None else max(par.stage_layers)
     return volume, layers * par.microbatches * (4 + 2 * recomputes_experts(par.remat))
 
 
@@ -86,7 +91,7 @@ def recomputed_flops_per_token(m, remat: str) -> float:
         return 0.0
     experts = 2 * 3 * m.d_model * m.experts_per_token * m.expert_width
     shared = 2 * 2 * m.d_model * m.n_shared_experts * m.expert_width
-    return m.n_layers * (experts + shared)
+    return m.n_moe_layers * (experts + shared)
 
 
 def mlp_width(m, t: int) -> int:

@@ -10,7 +10,7 @@ from jaxpar import costs, costs_moe, model
 from jaxpar.config import from_dict
 from jaxpar.costs_activations import saved_activation_bytes
 from jaxpar.plan import memory_wall
-from jaxpar.plan_presets import MODELS
+from jaxpar.plan_presets import HARDWARE, MODELS
 
 L, D, F, S, B = 4, 128, 256, 128, 16
 
@@ -145,7 +145,6 @@ def test_expert_gemms_are_the_active_ones():
     """The compute model's matmul time follows k, not E: with 4x the experts at the same k the
     expert FLOPs are unchanged (each expert takes tokens x k / E rows) and what is added is the
     extra experts' weights read through HBM and the router's wider float32 matmul, exactly."""
-    from jaxpar.plan_presets import HARDWARE
     hw, shape = HARDWARE["h100-80gb"], (1, 1, 1)
     t8, t32 = (costs.compute_terms(moe(shape, E=E), shape, hw)["matmul"] for E in (8, 32))
     M, units, extra = B * S, 3, 32 - 8  # tokens per microbatch; forward and two backward matmuls
@@ -178,3 +177,23 @@ def test_the_plan_replicates_experts_where_data_does_not_divide_them():
         by_data.setdefault(est.shape[0], set()).add(est.cfg.parallel.expert_parallel)
     assert by_data[16] == {False} and by_data[8] == {True}, by_data
     assert not any("n_experts" in reason for reason in result.refused)
+
+
+def test_mixed_layers_are_costed_by_their_kind():
+    """`model.moe_layers: every:2`, half the layers MoE: the all-to-alls are the MoE layers' only;
+    FLOPs per token (the recomputed ones under each remat policy included: a dense layer's MLP
+    inputs, an MoE layer's experts), saved activations and the compute model's matmul time are
+    the mean of the dense model's and the all-MoE model's, layer by layer."""
+    from jaxpar.costs_activations import _activations
+
+    all_moe = moe()
+    mixed, dense = all_moe.replace(model={"moe_layers": "every:2"}), all_moe.replace(model={"n_experts": 0})
+    [a], [b] = all_to_alls(mixed, (4, 1, 1)), all_to_alls(all_moe, (4, 1, 1))
+    assert a.bytes == b.bytes and 2 * a.count == b.count
+    for remat in ("none", "dots", "dots_except_mlp", "full"):
+        flops = [costs.hardware_flops_per_token(c.replace(parallel={"remat": remat}), 1) for c in (mixed, dense, all_moe)]
+        assert 2 * flops[0] == flops[1] + flops[2], remat
+        saved = [_activations(c.model, 2, 1, False, remat, True, False)["layers"] for c in (mixed, dense, all_moe)]
+        assert 2 * saved[0] == saved[1] + saved[2], remat
+    matmul = [costs.compute_terms(c, (4, 1, 1), HARDWARE["h100-80gb"])["matmul"] for c in (mixed, dense, all_moe)]
+    assert 2 * matmul[0] == pytest.approx(matmul[1] + matmul[2], rel=1e-9)
