@@ -239,18 +239,21 @@ def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
     hf_cfg = config_from_hf(folder)
     path = os.path.join(folder, "config.json")
     for key in ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "head_size", "n_experts", "experts_per_token",
-                "expert_width", "n_shared_experts", "router", "router_norm_topk", "d_ff", "vocab_size", "norm_eps",
+                "expert_width", "n_shared_experts", "router", "router_norm_topk", "moe_pattern", "d_ff", "vocab_size", "norm_eps",
                 "tied", "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                 "rope_original_context"):
         want, got = getattr(hf_cfg, key), getattr(cfg, key)
         used = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "rope_scaling", "rope_factor")}
         if key.startswith("rope") and (cfg.arch != "llama" or key not in used.get(hf_cfg.rope_scaling, (key,))):
             continue
-        if key == "d_ff" and hf_cfg.moe:  # every MLP is MoE: d_ff is unused (the experts' width is checked)
+        if key == "d_ff" and hf_cfg.moe and not hf_cfg.mixed:  # every MLP is MoE: d_ff is unused
             continue
-        if key in ("experts_per_token", "expert_width", "n_shared_experts", "router", "router_norm_topk") \
+        if key in ("experts_per_token", "expert_width", "n_shared_experts", "router", "router_norm_topk", "moe_pattern") \
                 and not hf_cfg.moe:  # both dense (n_experts matched): the MoE keys are unused
             continue
+        if key == "moe_pattern" and want != got:
+            raise HFError(f"model.moe_layers = {cfg.moe_layers} does not match {hf_cfg.moe_layers} of {path!r}; set "
+                          f"model.moe_layers={hf_cfg.moe_layers} (or start from another folder).")
         if want != got:
             name = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "tied": "tie_embeddings",
                     "expert_width": "expert_d_ff"}.get(key, key)
@@ -270,6 +273,7 @@ class Entry(NamedTuple):
     kind: str               # how the leaf is read from the tensor (see `_read`)
     hf_shape: tuple[int, ...]
     offset: int = 0         # first column of this leaf in a fused tensor (GPT-2's c_attn)
+    layers: tuple[int, ...] | None = None  # a mixed model's stack: the model layer ("{i}") of each entry
 
 
 def entries(cfg: ModelConfig, prefix: str = "", *, fused: bool = False) -> list[Entry]:
@@ -279,6 +283,19 @@ def entries(cfg: ModelConfig, prefix: str = "", *, fused: bool = False) -> list[
     if cfg.block != "pre_norm":
         raise HFError(f"model.block = {cfg.block!r} has no Hugging Face counterpart (transformers' llama and gpt2 "
                       "are pre_norm blocks); convert only models with model.block=pre_norm.")
+    if cfg.mixed:  # dense and MoE layers (`model.moe_layers`): each stack's entries, at its layers
+
+        from jaxpar.model.transformer import dense_config, layer_order
+
+        order, out = layer_order(cfg), []
+        kinds = (("dense", dense_config(cfg)), ("moe", dataclasses.replace(cfg, moe_layers="all")))
+        for kind, kind_cfg in kinds:
+            for e in entries(kind_cfg, prefix, fused=fused):
+                if e.path[0] == "blocks":
+                    out.append(e._replace(path=("blocks", kind, *e.path[1:]), layers=tuple(map(int, order[kind]))))
+                elif kind == "moe":
+                    out.append(e)
+        return out
     D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size
     if cfg.arch == "llama":
         a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
@@ -335,7 +352,8 @@ def _ignored(cfg: ModelConfig, name: str) -> bool:
 
 def _layer_names(cfg: ModelConfig, e: Entry) -> list[str]:
     """The entry's name in each layer (one name for a leaf outside `blocks`); "{e}" is kept."""
-    return [e.hf.replace("{i}", str(i)) for i in range(cfg.n_layers)] if "{i}" in e.hf else [e.hf]
+    layers = range(cfg.n_layers) if e.layers is None else e.layers
+    return [e.hf.replace("{i}", str(i)) for i in layers] if "{i}" in e.hf else [e.hf]
 
 
 def _hf_names(cfg: ModelConfig, e: Entry) -> list[str]:
@@ -431,7 +449,7 @@ def read_leaf(cfg: ModelConfig, e: Entry, get: Getter, idx: tuple, shape: tuple[
     idx = _normalize(idx, shape)
     if e.path[0] != "blocks":
         return _read(e, e.hf, get, idx, cfg.head_size).astype(np.float32)
-    layers = range(idx[0].start, idx[0].stop)
+    layers = [i if e.layers is None else e.layers[i] for i in range(idx[0].start, idx[0].stop)]
     return np.stack([_read(e, e.hf.replace("{i}", str(i)), get, idx[1:], cfg.head_size).astype(np.float32)
                      for i in layers])
 
@@ -453,7 +471,9 @@ def from_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
 
 def _buffers(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
     """The leaves no HF tensor holds (zeros on import, never exported): the MoE routers' report."""
-    return hf_moe.BUFFERS if cfg.moe else ()
+    if not cfg.moe:
+        return ()
+    return tuple(("blocks", "moe", *p[1:]) for p in hf_moe.BUFFERS) if cfg.mixed else hf_moe.BUFFERS
 
 
 def to_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:

@@ -35,21 +35,40 @@ def config_fields(hf_cfg: dict, path: str, arch: str, i, number) -> dict[str, An
     if arch == "mixtral":
         n_experts, width, norm = i("num_local_experts"), i("intermediate_size"), True
     else:
-        sparse_step, dense = hf_cfg.get("decoder_sparse_step", 1), hf_cfg.get("mlp_only_layers") or []
-        hf._refuse(sparse_step == 1, path, f"decoder_sparse_step = {sparse_step!r}",
-                   "jaxpar makes every layer's MLP a mixture of experts (no dense layers among them); use a "
-                   "checkpoint with decoder_sparse_step = 1, or a dense model")
-        hf._refuse(not dense, path, f"mlp_only_layers = {dense!r}",
-                   "jaxpar makes every layer's MLP a mixture of experts (no dense layers among them); use a "
-                   "checkpoint with mlp_only_layers = [], or a dense model")
         key = "num_experts" if hf_cfg.get("num_experts") is not None else "num_local_experts"
         n_experts, width = i(key), i("moe_intermediate_size")
         norm = hf_cfg.get("norm_topk_prob", False)
         hf._refuse(isinstance(norm, bool), path, f"norm_topk_prob = {norm!r}", "norm_topk_prob must be true or false")
+        pattern = _qwen_pattern(hf_cfg, path, i("num_hidden_layers"))
+        if pattern != "all":  # dense layers among the MoE ones: an MLP of intermediate_size
+            return dict(n_experts=n_experts, experts_per_token=i("num_experts_per_tok"), expert_d_ff=width,
+                        d_ff=i("intermediate_size"), moe_layers=pattern, n_shared_experts=0, router="softmax",
+                        router_norm_topk=norm, router_aux_loss=number("router_aux_loss_coef", 0.001), router_z_loss=0.0)
     # d_ff (a dense MLP's width) is unused when every MLP is MoE: the expert width keeps it valid.
     return dict(n_experts=n_experts, experts_per_token=i("num_experts_per_tok"), expert_d_ff=width, d_ff=width,
                 n_shared_experts=0, router="softmax", router_norm_topk=norm,
                 router_aux_loss=number("router_aux_loss_coef", 0.001), router_z_loss=0.0)
+
+
+def _qwen_pattern(hf_cfg: dict, path: str, n_layers: int) -> str:
+    """`model.moe_layers` of Qwen3-MoE's decoder_sparse_step and mlp_only_layers (layer i is MoE if
+    it is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0), where jaxpar's patterns
+    (K dense layers, then every N-th MoE) can say it."""
+    step, dense = hf_cfg.get("decoder_sparse_step", 1), hf_cfg.get("mlp_only_layers") or []
+    hf._refuse(isinstance(step, int) and step >= 1, path, f"decoder_sparse_step = {step!r}",
+               "decoder_sparse_step must be a positive integer")
+    hf._refuse(isinstance(dense, list) and all(isinstance(x, int) for x in dense), path,
+               f"mlp_only_layers = {dense!r}", "mlp_only_layers must be a list of layer indices")
+    moe = {i for i in range(n_layers) if i not in dense and (i + 1) % step == 0}
+    for K in range(n_layers):
+        for N in range(1, n_layers - K + 1):
+            if (n_layers - K) % N == 0 and moe == {i for i in range(K, n_layers) if (i - K + 1) % N == 0}:
+                return "all" if (K, N) == (0, 1) else ",".join(
+                    ([f"first_dense:{K}"] if K else []) + ([f"every:{N}"] if N > 1 else []))
+    hf._refuse(False, path, f"decoder_sparse_step = {step} with mlp_only_layers = {dense}",
+               "jaxpar's model.moe_layers says K dense layers then every N-th layer MoE, which cannot make these "
+               f"MoE layers ({sorted(moe)}); use a checkpoint whose MoE layers follow such a pattern")
+    raise AssertionError
 
 
 def family(cfg: ModelConfig) -> str:
@@ -59,6 +78,8 @@ def family(cfg: ModelConfig) -> str:
         if not ok:
             raise hf.HFError(f"{what} has no Hugging Face MoE family jaxpar writes (mixtral, qwen3_moe); {fix}.")
 
+    refuse(cfg.qk_norm or not cfg.mixed, f"model.moe_layers = {cfg.moe_layers} without model.qk_norm",
+           "Mixtral's every layer is MoE: export a model with moe_layers=all, or qk_norm=true (qwen3_moe)")
     refuse(cfg.n_shared_experts == 0, f"model.n_shared_experts = {cfg.n_shared_experts}",
            "neither has shared experts: export a model with n_shared_experts=0")
     refuse(cfg.router == "softmax", f"model.router = {cfg.router}",
@@ -81,7 +102,9 @@ def config_keys(cfg: ModelConfig, out: dict[str, Any]) -> dict[str, Any]:
                 "intermediate_size": cfg.expert_width, "router_jitter_noise": 0.0}
     return {**out, **common, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": cfg.n_experts,
             "moe_intermediate_size": cfg.expert_width, "norm_topk_prob": cfg.router_norm_topk,
-            "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False, "attention_bias": False}
+            "decoder_sparse_step": 1, "use_sliding_window": False, "attention_bias": False,
+            # A mixed model's dense layers by index (and their MLP width, intermediate_size = d_ff).
+            "mlp_only_layers": [i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)]}
 
 
 def entries(cfg: ModelConfig, fused: bool) -> list:
@@ -102,7 +125,8 @@ def entries(cfg: ModelConfig, fused: bool) -> list:
 
 def is_fused(cfg: ModelConfig, names) -> bool:
     """Does a checkpoint with these tensor names store the experts fused?"""
-    return cfg.moe and "model.layers.0.mlp.experts.gate_up_proj" in names
+    first = next((i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)), 0)
+    return cfg.moe and f"model.layers.{first}.mlp.experts.gate_up_proj" in names
 
 
 def expert_names(cfg: ModelConfig, name: str) -> list[str]:

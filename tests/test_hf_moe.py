@@ -279,15 +279,56 @@ def test_each_device_reads_only_its_experts(arch, layout, folders, loaded, monke
                     assert {int(re.search(r"experts\.(\d+)\.", n)[1]) for n in got_reads} == held
 
 
-def test_dense_layers_among_moe_are_refused(folders, tmp_path):
-    """Qwen3-MoE's dense layers (mlp_only_layers, decoder_sparse_step) have no jaxpar counterpart
-    yet: refused in one sentence naming the key, its value, the rule and a fix."""
-    for i, (key, value) in enumerate((("mlp_only_layers", [1]), ("decoder_sparse_step", 2))):
-        folder = _copy(folders["qwen3_moe", "experts"], tmp_path / str(i))
-        _write_config(folder, **{key: value})
-        with pytest.raises(hf.HFError, match=rf"sets {key} = {re.escape(repr(value))}, but jaxpar makes every "
-                                             rf"layer's MLP a mixture of experts .*; use a checkpoint with .*\.$"):
-            hf.config_from_hf(folder)
+@pytest.mark.parametrize("key, value, pattern", [("decoder_sparse_step", 2, "every:2"),
+                                                ("mlp_only_layers", [0], "first_dense:1")])
+def test_qwen3_moe_with_dense_layers(key, value, pattern, ids, tmp_path):
+    """Qwen3-MoE's dense layers (every decoder_sparse_step-th layer MoE, or mlp_only_layers) are
+    `model.moe_layers`: imported to transformers' logits, exported bit for bit to a folder
+    transformers loads to the same logits, and read back to the same parameters."""
+    kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              num_experts_per_tok=2, max_position_embeddings=32, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              num_experts=E, moe_intermediate_size=F, intermediate_size=48, head_dim=16, norm_topk_prob=False)
+    m = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**kw, **{key: value}))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+        folder = str(tmp_path / "in")
+        m.eval().save_pretrained(folder)
+        want = m(torch.tensor(ids)).logits.numpy()
+    cfg = hf.config_from_hf(folder, seq_len=SEQ)
+    assert cfg.moe_layers == pattern and cfg.d_ff == 48 and cfg.mixed
+    params = hf.load_params(folder, cfg, _one_device(cfg))
+    n_moe = cfg.n_moe_layers
+    assert params["blocks"]["dense"]["mlp"]["w_up"].shape == (4 - n_moe, 32, 48)
+    assert params["blocks"]["moe"]["mlp"]["w_up"].shape == (n_moe, E, 32, F)
+    logits = np.asarray(jax.jit(lambda p, t: model.apply(cfg, p, t))(params, ids))
+    diff = float(np.abs(logits[..., :VOCAB] - want).max())
+    assert diff < 1e-5, f"logits differ from transformers by {diff}"  # float32 rounding, as above
+    out = tmp_path / "out"
+    hf.save_params(params, cfg, str(out))
+    original, exported = _tensors(folder), _tensors(out)
+    assert set(exported) == set(original)
+    for name, x in exported.items():
+        assert np.array_equal(x, original[name]), f"{name} changed in the round trip"
+    with torch.no_grad():
+        back = _torch_model(str(out))(torch.tensor(ids)).logits.numpy()
+    assert np.array_equal(back, want), "transformers must compute the same logits from the export"
+    again = hf.load_params(str(out), cfg, _one_device(cfg))
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params), strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_dense_layers_no_pattern_can_say_are_refused(folders, tmp_path):
+    """MoE layers that are not K dense layers then every N-th (here layer 0 MoE, layer 1 dense) are
+    refused in one sentence naming the keys, their values, the rule and a fix."""
+    folder = _copy(folders["qwen3_moe", "experts"], tmp_path / "q")
+    _write_config(folder, mlp_only_layers=[1])
+    with pytest.raises(hf.HFError, match=r"sets decoder_sparse_step = 1 with mlp_only_layers = \[1\], but jaxpar's "
+                                         r"model.moe_layers .*; use a checkpoint whose MoE layers follow such a "
+                                         r"pattern\.$"):
+        hf.config_from_hf(folder)
 
 
 def test_mixtral_sliding_window_shorter_than_the_sequence_is_refused(folders, tmp_path):
