@@ -1,5 +1,7 @@
 """The mixture-of-experts part of jaxpar's cost model (`jaxpar.costs` calls it; `model.n_experts`
-> 0: every layer's MLP is an MoE layer, `jaxpar.model.moe`).
+> 0: every layer's MLP is an MoE layer, `jaxpar.model.moe`, or those `model.moe_layers` names;
+a mixed model's per-layer terms are each kind's, weighted by its share of the layers,
+`moe_fraction`).
 
 What it counts, per device, with expert parallelism (`parallel.expert_parallel` and data d > 1):
 
