@@ -284,7 +284,6 @@ def entries(cfg: ModelConfig, prefix: str = "", *, fused: bool = False) -> list[
         raise HFError(f"model.block = {cfg.block!r} has no Hugging Face counterpart (transformers' llama and gpt2 "
                       "are pre_norm blocks); convert only models with model.block=pre_norm.")
     if cfg.mixed:  # dense and MoE layers (`model.moe_layers`): each stack's entries, at its layers
-
         from jaxpar.model.transformer import dense_config, layer_order
 
         order, out = layer_order(cfg), []
