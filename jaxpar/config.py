@@ -203,7 +203,10 @@ class ParallelConfig:
     """MoE (model.n_experts > 0) with data > 1: the experts of every MoE layer are split over the
     `data` ranks (DeepSpeed-MoE's layout; n_experts divisible by data), tokens travel to their
     experts and back by all-to-alls over `data`, and expert weights (and their optimizer state)
-    are never reduced over `data`. false: every data rank holds every expert, whose gradients are
+    are never reduced over `data`. With data a multiple r of n_experts each expert is replicated
+    on r data ranks: every rank stores a 1/data slice of every expert (d_model divisible by
+    data), assembles its own expert by an all-to-all where it is used, and each expert's gradient
+    is summed over its r replicas by that all-to-all's transpose (DESIGN.md §10). false: every data rank holds every expert, whose gradients are
     reduced like the other weights'."""
     expert_tensor_parallel: bool = True
     """MoE under tensor parallelism (model > 1): true splits each expert's width over `model`
@@ -724,10 +727,15 @@ def check_data_axis(cfg: Config, d: int) -> None:
     m = cfg.model
     if d == 1 or not m.moe or not cfg.parallel.expert_parallel:
         return
-    _require(m.n_experts % d == 0,
-             f"model.n_experts = {m.n_experts} is not divisible by mesh.data = {d} (expert parallelism splits the "
-             f"experts over data ranks); choose a data size that divides {m.n_experts}, or set "
-             "parallel.expert_parallel=false to keep every expert on every data rank.")
+    _require(m.n_experts % d == 0 or d % m.n_experts == 0,
+             f"model.n_experts = {m.n_experts} and mesh.data = {d} must divide one another (expert parallelism "
+             f"splits the experts over data ranks, or replicates each on data / n_experts of them); choose a data "
+             f"size that divides or is a multiple of {m.n_experts}, or set parallel.expert_parallel=false to keep "
+             "every expert on every data rank.")
+    _require(m.n_experts % d == 0 or m.d_model % d == 0,
+             f"model.d_model = {m.d_model} is not divisible by mesh.data = {d} (with {d // m.n_experts} replicas "
+             f"of each expert every data rank stores a 1/{d} slice of each expert's d_model dim); choose a data "
+             f"size that divides {m.d_model}, or set parallel.expert_parallel=false.")
 
 
 def check_model_axis(cfg: Config, t: int) -> None:

@@ -302,6 +302,10 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         gathered = (shared + (blocks if _gather_per_step(cfg, p) else in_flight * blocks_layer)) * g
         if not _gather_per_step(cfg, p):  # gathered per use in the compute dtype (matrices: nearly all of it)
             gathered = gathered * min(1.0, _BYTES[m.dtype] / itemsize)
+    _, _, expert = costs_moe.assembled_experts(cfg, (d, p, t), _BYTES[m.dtype])
+    if expert:  # replicated experts: each MoE layer's own expert, assembled where used
+        held = m.n_moe_layers // p if par.remat == "none" else (1 if platform == "cpu" else 2)
+        gathered += held * expert
     if p > 1:  # the shared leaves stored over `stage`, gathered for the step (ZeRO-3: its data shard)
         gathered += st["staged"] / (d if zero == 3 else 1)
     out.update(gradients=int(grads), activations=int(saved + transient), pipeline_buffers=int(buffers),
@@ -436,6 +440,9 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
         out += _tensor_collectives(cfg, rows, t, sp, act_size, p)
     volume, count = costs_moe.all_to_all(cfg, shape, rows, act_size)
     if count:  # tokens to their experts and back: the expert compute waits on them (exposed)
+        out.append(Collective("all-to-all", ("data",), volume, count))
+    volume, count, _ = costs_moe.assembled_experts(cfg, shape, act_size)
+    if count:  # replicated experts: each rank's expert assembled from the slices of every rank
         out.append(Collective("all-to-all", ("data",), volume, count))
     return out
 

@@ -15,6 +15,14 @@ What it counts, per device, with expert parallelism (`parallel.expert_parallel` 
   moves it; x capacity_factor in capacity mode), and two more for every forward the remat policy
   recomputes: `full`, and `dots_except_mlp`, which saves attention's projections only (`dots` and
   `offload` save the grouped matmuls' outputs, named `DOT_TAG` in `jaxpar.model.moe.grouped`).
+- replicated experts (data d a multiple r of E, `jaxpar.model.moe.own_expert`): each rank stores
+  a 1/d slice of every expert (counted by the layout like E/d experts), and per MoE layer each of
+  the three expert weights of the rank's own expert is assembled by an all-to-all over `data` of
+  one expert's weight in the compute dtype, with its transpose in the backward pass, once more
+  in the backward under any remat policy but `none` (which saves the assembled weights from the
+  forward pass to the backward: the stage's MoE layers' experts held, as `gathered_params`;
+  otherwise one layer's, or two on GPU, in flight). The tokens' all-to-alls run within groups
+  of E ranks with the same volume per device as above.
 - not modelled: `parallel.expert_tensor_parallel: false` (experts whole on every model rank,
   routing each rank's sequence shard) is costed as the expert-TP layout (DESIGN.md §9).
 - compute: only the k active experts of each token: the grouped matmuls at their per-expert
@@ -29,6 +37,7 @@ What it counts, per device, with expert parallelism (`parallel.expert_parallel` 
 from __future__ import annotations
 
 from jaxpar import model
+from jaxpar.sharding import expert_replicas
 
 
 def expert_parallel(cfg, d: int) -> bool:
@@ -84,6 +93,20 @@ def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
     return volume, layers * par.microbatches * (4 + 2 * recomputes_experts(par.remat))
 
 
+def assembled_experts(cfg, shape, act_size: int) -> tuple[float, int, int]:
+    """Replicated experts (`expert_replicas` > 1): (result bytes per device of one weight's
+    all-to-all, how many per step, the bytes of one MoE layer's assembled expert); zeros
+    otherwise."""
+    d, p, t = shape
+    m, par = cfg.model, cfg.parallel
+    if expert_replicas(cfg, d) <= 1:
+        return 0.0, 0, 0
+    F = m.expert_width // t if par.expert_tensor_parallel else m.expert_width
+    volume = m.d_model * F * act_size
+    layers = m.n_moe_layers // p if par.stage_layers is None else max(par.stage_layers)
+    return float(volume), 3 * layers * par.microbatches * (2 + (par.remat != "none")), 3 * volume
+
+
 def recomputed_flops_per_token(m, remat: str) -> float:
     """FLOPs per token the backward pass spends recomputing the MoE layers' forward beyond what
     `jaxpar.costs.hardware_flops_per_token` counts for the dense model's attention core: under
@@ -127,7 +150,7 @@ def gemm_terms(cfg, shape, M: int, gemm, gemm_units: int, router_gemm) -> float:
     m, par = cfg.model, cfg.parallel
     D, F, E, k = m.d_model, m.expert_width // t, m.n_experts, m.experts_per_token
     ep = expert_parallel(cfg, d)
-    local = E // d if ep else E
+    local = max(1, E // d) if ep else E  # (one expert per rank when there are more ranks than experts)
     rows = M * k * (capacity_scale(m) if ep else 1.0) / local  # per local expert
     units = 3 + recomputes_experts(par.remat)  # forward, the two backward matmuls, a recomputed forward
     experts = local * (gemm(rows, D, 2 * F, units) + gemm(rows, F, D, units))

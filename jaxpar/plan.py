@@ -117,9 +117,12 @@ def _variants(cfg: Config, shape: tuple[int, int, int], split):
 
 
 def _expert_parallel(cfg: Config, d: int) -> bool:
-    """MoE: experts split over `data` where its size divides them (as the config asks), else every
-    data rank holds them all (`parallel.expert_parallel: false`, which validation requires there)."""
-    return cfg.parallel.expert_parallel and (not cfg.model.moe or cfg.model.n_experts % d == 0)
+    """MoE: experts split over `data` where its size divides them, or replicated on d / n_experts
+    ranks each where it is a multiple of them (as the config asks), else every data rank holds
+    them all (`parallel.expert_parallel: false`, which validation requires there)."""
+    m = cfg.model
+    return cfg.parallel.expert_parallel and (not m.moe or m.n_experts % d == 0
+                                             or (d % m.n_experts == 0 and m.d_model % d == 0))
 
 
 def _candidate(cfg: Config, shape, m, remat, split, zero, sp, schedule, v, master) -> Config:
@@ -266,9 +269,11 @@ def memory_wall(cfg: Config, devices: int, node_size: int = 8, platform: str = "
         d, stages = shape[0], shape[1]
         m = 2 * stages if stages > 1 else 1
         if cfg.model.moe and cfg.parallel.expert_parallel and d > 1 and "expert_parallel" not in par:
-            if E % d:  # the experts do not split over this data size: each rank keeps them all
+            if not _expert_parallel(cfg, d):  # the experts do not split over this data size: each rank keeps them all
                 par["expert_parallel"] = False
                 label += f" (experts replicated: {E} over {d})"
+            elif E % d:
+                label += f" (EP: each of {E} experts on {d // E} ranks)"
             else:
                 label += f" (EP: {E // d} of {E} experts per rank)"
         c = cfg.replace(mesh=dict(zip(AXES, shape)), train={"global_batch": d * m},

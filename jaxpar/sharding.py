@@ -78,11 +78,20 @@ def _kv_heads_axis(cfg: Config, mesh: Mesh) -> Axis:
     return "model" if cfg.model.kv_heads % mesh.shape["model"] == 0 else None
 
 
+def expert_replicas(cfg: Config, data: int) -> int:
+    """How many data ranks hold each expert under expert parallelism (`parallel.expert_parallel`,
+    MoE, data > 1): 1 when the experts split over the data ranks, data / n_experts when there are
+    more ranks than experts; 0 without expert parallelism."""
+    if not (cfg.model.moe and cfg.parallel.expert_parallel and data > 1):
+        return 0
+    return max(1, data // cfg.model.n_experts)
+
+
 def _experts_axis(cfg: Config, mesh: Mesh) -> Axis:
-    """Expert parallelism (`parallel.expert_parallel`, MoE, data > 1): each data rank stores
-    n_experts / data of every MoE layer's experts (`jaxpar.model.moe`, DESIGN.md §10)."""
-    on = cfg.model.moe and cfg.parallel.expert_parallel and mesh.shape["data"] > 1
-    return "data" if on else None
+    """Expert parallelism with n_experts divisible by data: each data rank stores n_experts / data
+    of every MoE layer's experts (`jaxpar.model.moe`, DESIGN.md §10). (With more data ranks than
+    experts, `jaxpar.parallel.zero` stores a slice of every expert on each rank instead.)"""
+    return "data" if expert_replicas(cfg, mesh.shape["data"]) == 1 else None
 
 
 def _expert_mlp_axis(cfg: Config) -> Axis:
@@ -365,11 +374,12 @@ def sequence_shard_index() -> jax.Array | int:
     return 0 if sequence_shards() == 1 else jax.lax.axis_index(_tp().axis)
 
 
-def exchange_experts(rows: jax.Array) -> jax.Array:
+def exchange_experts(rows: jax.Array, groups: list[list[int]] | None = None) -> jax.Array:
     """MoE expert parallelism (the layer's experts split over the manual `data` axis, d ranks):
     rows [d·R, ...] in d blocks, block j for rank j, come back as d blocks, block i from rank i
-    (an all-to-all over `data`; its transpose is another)."""
-    return jax.lax.all_to_all(rows, "data", 0, 0, tiled=True)
+    (an all-to-all over `data`; its transpose is another). With `groups` (lists of data ranks),
+    within this rank's group: block j for its j-th member."""
+    return jax.lax.all_to_all(rows, "data", 0, 0, tiled=True, axis_index_groups=groups)
 
 
 def enter_tp(x_BxTxD: jax.Array) -> jax.Array:

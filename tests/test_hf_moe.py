@@ -368,3 +368,23 @@ def test_export_refuses_what_no_family_has(change, message, loaded, tmp_path):
     assert not os.listdir(tmp_path), "nothing may be written"
 
 
+
+
+@pytest.mark.parametrize("layout", ["experts", "fused"])
+def test_each_device_reads_its_slice_of_every_expert(layout, folders, loaded, monkeypatch):
+    """More data ranks than experts (`jaxpar.model.moe.own_expert`): each device stores a slice of
+    every expert's d_model dim, and reads that slice only: every expert element is read once in
+    all, and the arrays equal the single-device import."""
+    arch = ARCHS[0]
+    folder = folders[arch, layout]
+    cfg, want = loaded[arch, layout]
+    mesh = Mesh(np.asarray(jax.devices()[:2]), ("x",))
+    embed = {"w_gate": P(None, None, "x"), "w_up": P(None, None, "x"), "w_down": P(None, None, None, "x")}
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda path, _: NamedSharding(mesh, embed.get(path[-1].key, P())), model.param_shapes(cfg))
+    reads = _record_reads(monkeypatch)
+    params = hf.load_params(folder, cfg, shardings)
+    monkeypatch.undo()
+    for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
+        assert np.array_equal(got, ref)
+    assert sum(size for name, _, size in reads if ".experts." in name) == 3 * 2 * E * 32 * F

@@ -187,6 +187,8 @@ PARITY = [  # (mesh, schedule, zero, model options)
     # ZB-H1's split backward with each stack's taps.
     ((2, 2, 2), "1f1b", 3, {"moe_layers": "every:2", "n_shared_experts": 1}),
     ((1, 2, 4), "zb_h1", 0, {"moe_layers": "every:2", "expert_tensor_parallel": False}),
+    # More data ranks than experts: each of 4 experts on 2 of 8 ranks (`own_expert`, `replica_groups`).
+    ((8, 1, 1), "1f1b", 1, {}),
 ]
 PARITY_SLOW = [
     ((2, 1, 4), "1f1b", 3, {}),
@@ -205,6 +207,11 @@ PARITY_SLOW = [
     # a dense first layer with ZeRO-2.
     ((8, 1, 1), "1f1b", 1, {"moe_layers": "every:2", "n_experts": 8}),
     ((4, 1, 2), "1f1b", 2, {"moe_layers": "first_dense:1", "router": "sigmoid_bias"}),
+    # Replicated experts (data a multiple of n_experts) with a pipeline, ZeRO-3 and mixed layers,
+    # whole experts on each model rank, and capacity mode on 4 replicas.
+    ((4, 2, 1), "zb_h1", 3, {"n_experts": 2, "moe_layers": "every:2"}),
+    ((4, 1, 2), "1f1b", 1, {"n_experts": 2, "expert_tensor_parallel": False, "n_shared_experts": 1}),
+    ((8, 1, 1), "1f1b", 0, {"n_experts": 2, "capacity_factor": 1.0}),
 ]
 
 
@@ -313,11 +320,47 @@ def test_expert_parallel_step_moves_tokens_not_expert_gradients():
     assert dense <= reduced <= dense + 64, r.table()  # (+ the loss and the NaN guard's scalars)
 
 
-def test_experts_must_divide_over_data():
-    cfg = moe_run(1, 1, 1)
-    with pytest.raises(ConfigError, match="n_experts = 4 is not divisible by mesh.data = 8"):
-        check_sizes(cfg, (8, 1, 1))
-    check_sizes(cfg.replace(parallel={"expert_parallel": False}), (8, 1, 1))
+def test_replicated_experts_are_assembled_not_reduced():
+    """The compiled step on (8, 1, 1) with 4 experts, each on 2 data ranks: every rank stores a
+    1/8 slice of every expert (data on `embed`); per MoE layer each of the three expert weights is
+    assembled by one all-to-all of one expert's bytes forward and one back (its transpose); the
+    tokens' all-to-alls run within groups of 4 ranks, one expert each (4 per layer, plus the expert
+    ids); and the only data-axis reductions are the dense parameters' gradients and the loss."""
+    cfg = moe_run(8, 1, 1).replace(parallel={"microbatches": 1})
+    mesh = make_mesh(cfg, jax.devices()[:8])
+    program = build(cfg, mesh)
+    assert tuple(program.layout.params["blocks"]["mlp"]["w_gate"])[1:3] == (None, "data")  # [layers, E, D, F]
+    r = analyze(program.step.lower(program.abstract_state(), program.abstract_batch()).compile(), mesh)
+    m, D, F, L, E = cfg.model, cfg.model.d_model, cfg.model.expert_width, cfg.model.n_layers, cfg.model.n_experts
+    rows = cfg.train.global_batch // 8 * m.seq_len  # a destination's worst case: every token (one expert each)
+    a2a = r.select(kind="all-to-all", spans="data")
+    weights = [c for c in a2a if c.bytes == D * F * 4]
+    hidden = [c for c in a2a if c.bytes == E * rows * D * 4]
+    ids = [c for c in a2a if c.bytes == E * rows * 4]
+    assert len(weights) + len(hidden) + len(ids) == len(r.select(kind="all-to-all")), r.table()
+    assert sum(c.executions for c in weights) == 6 * L, r.table()
+    assert sum(c.executions for c in hidden) == 4 * L and sum(c.executions for c in ids) == L, r.table()
+    shapes = model.param_shapes(m)
+    dense = sum(x.size * 4 for x in jax.tree.leaves(shapes)) - sum(
+        shapes["blocks"]["mlp"][key].size * 4 for key in ("w_gate", "w_up", "w_down"))
+    reduced = r.traffic(kind=("all-reduce", "reduce-scatter"), spans="data")
+    assert dense <= reduced <= dense + 64, r.table()
+
+
+def test_replica_groups_pair_each_rank_with_every_expert():
+    groups = moe_lib.replica_groups(4, 8)
+    assert groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert all([q // 2 for q in g] == [0, 1, 2, 3] for g in groups)  # member e runs expert e (own_expert)
+
+
+def test_experts_and_data_must_divide_one_another():
+    cfg = moe_run(1, 1, 1, n_experts=6)
+    with pytest.raises(ConfigError, match="n_experts = 6 and mesh.data = 4 must divide one another"):
+        check_sizes(cfg, (4, 1, 2))
+    check_sizes(cfg.replace(parallel={"expert_parallel": False}), (4, 1, 2))
+    check_sizes(moe_run(1, 1, 1), (8, 1, 1))  # 4 experts, each on 2 of 8 data ranks
+    with pytest.raises(ConfigError, match="d_model = 36 is not divisible by mesh.data = 8"):
+        check_sizes(moe_run(1, 1, 1, d_model=36, n_heads=4), (8, 1, 1))
 
 
 def test_replicated_experts_route_the_sequence_shard_without_model_collectives():
@@ -426,3 +469,13 @@ def test_pipelined_mixed_models_need_the_same_groups_on_every_stage():
         cfg = moe_run(1, 2, 1, moe_layers=pattern).replace(model={"n_layers": layers})
         with pytest.raises(ConfigError, match=f"moe_layers = {pattern} cannot be pipelined"):
             check_sizes(cfg, (1, 2, 1))
+
+
+@pytest.mark.parametrize("n_experts,expert_parallel,says", [
+    (8, True, "experts: 1 of 8 per data rank"), (4, True, "experts: each on 2 data ranks, a 1/8 slice"),
+    (4, False, "experts: all on every data rank")])
+def test_the_cli_summary_says_where_the_experts_live(n_experts, expert_parallel, says):
+    from jaxpar.train.__main__ import summary
+    cfg = moe_run(8, 1, 1, n_experts=n_experts, moe_layers="every:2", expert_parallel=expert_parallel)
+    text = summary(cfg, make_mesh(cfg, jax.devices()[:8]))
+    assert says in text and "MoE in 2 of 4 layers (every:2)" in text, text

@@ -164,19 +164,43 @@ def test_memory_wall_splits_the_experts():
 
 
 def test_the_plan_replicates_experts_where_data_does_not_divide_them():
-    """On 16 devices with 8 experts, layouts with data 16 are candidates with every expert on every
-    data rank (`expert_parallel: false`, which validation requires there), not refused or costed
-    with 8/16 experts per rank; data 8 splits them."""
+    """On 16 devices with 6 experts, layouts with data 4, 8 or 16 are candidates with every expert
+    on every data rank (`expert_parallel: false`, which validation requires there), not refused or
+    costed with a fraction of an expert per rank; data 2 splits them. With 8 experts, data 16 has
+    each expert on 2 ranks (expert parallelism with replicas)."""
     from jaxpar.costs import Roofline
     from jaxpar.plan import plan
     from jaxpar.plan_presets import HARDWARE
-    cfg = moe((1, 1, 1), E=8).replace(mesh={"data": 1}, train={"global_batch": 32})
-    result = plan(cfg, 16, Roofline(HARDWARE["h100-80gb"], 0.5, 16), "cpu")
-    by_data = {}
-    for est in result.ranked + result.too_big:
-        by_data.setdefault(est.shape[0], set()).add(est.cfg.parallel.expert_parallel)
-    assert by_data[16] == {False} and by_data[8] == {True}, by_data
-    assert not any("n_experts" in reason for reason in result.refused)
+    for E, want in ((6, {2: {True}, 4: {False}, 8: {False}, 16: {False}}), (8, {8: {True}, 16: {True}})):
+        cfg = moe((1, 1, 1), E=E).replace(mesh={"data": 1}, train={"global_batch": 32})
+        result = plan(cfg, 16, Roofline(HARDWARE["h100-80gb"], 0.5, 16), "cpu")
+        by_data = {}
+        for est in result.ranked + result.too_big:
+            by_data.setdefault(est.shape[0], set()).add(est.cfg.parallel.expert_parallel)
+        assert all(by_data[d] == v for d, v in want.items()), (E, by_data)
+        assert not any("n_experts" in reason for reason in result.refused)
+
+
+def test_replicated_experts_are_assembled_per_layer():
+    """8 experts on 16 data ranks (2 replicas each): the state stores 1/16 of every expert, as
+    the layout says; per MoE layer and microbatch three all-to-alls of one expert's weight each
+    way (once more under a remat policy that does not save them), and the gemms of one expert per
+    rank taking a group's tokens (as many rows as 8 ranks' experts take on 8 ranks)."""
+    shape, shape8 = (16, 1, 1), (8, 1, 1)
+    cfg = moe(shape, E=8, microbatches=2)
+    assert costs.model_state(cfg, shape)["experts"] == expert_bytes(cfg) // 16
+    weights = [c for c in all_to_alls(cfg, shape) if c.bytes == D * F * 4]
+    assert len(weights) == 1 and weights[0].count == 3 * L * 2 * 2
+    [again] = [c for c in all_to_alls(cfg.replace(parallel={"remat": "full"}), shape) if c.bytes == D * F * 4]
+    assert again.count == 3 * L * 2 * 3
+    assert not [c for c in all_to_alls(moe(shape8, E=8), shape8) if c.bytes == D * F * 4]
+    hw = HARDWARE["h100-80gb"]
+    # (the same tokens per device on both meshes: the expert gemms are equal)
+    t16 = costs.compute_terms(moe(shape, E=8).replace(train={"global_batch": 32}), shape, hw)["matmul"]
+    t8 = costs.compute_terms(moe(shape8, E=8), shape8, hw)["matmul"]
+    assert t16 == pytest.approx(t8, rel=1e-9)
+    mem = costs.memory(cfg, shape)
+    assert mem["gathered_params"] == L * 3 * D * F * 4  # remat none: every layer's expert held for backward
 
 
 def test_mixed_layers_are_costed_by_their_kind():

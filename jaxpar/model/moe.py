@@ -160,13 +160,18 @@ class MoE(nnx.Module):
         x_NxD = x_BxTxD.reshape(B * T, D)
         weights = (self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
         experts_NxK = experts_BxTxK.reshape(B * T, k)
+        groups = None
+        if weights[0].shape[1] < D:  # a slice of every expert: more data ranks than experts
+            d = D // weights[0].shape[1]
+            weights = (own_expert(weights[0], d, 1), own_expert(weights[1], d, 1), own_expert(weights[2], d, 2))
+            groups = replica_groups(E, d)
         if weights[0].shape[0] < E:  # this data rank holds E / d of the experts: expert parallelism
             rows = B * T * min(k, weights[0].shape[0])  # a destination's worst case: every token's choices
             if cfg.capacity_factor is not None:  # or every local expert full in every sequence
                 rows = min(rows, weights[0].shape[0] * capacity(cfg, T * shards) * B)
             keep = None if keep_BxTxK is None else keep_BxTxK.reshape(B * T, k)
             y_NxD = experts_parallel(x_NxD, experts_NxK, gates_BxTxK.reshape(B * T, k).astype(dt), keep, *weights,
-                                     n_experts=E, rows=rows)
+                                     n_experts=E, rows=rows, groups=groups)
         else:
             if keep_BxTxK is not None:
                 gates_BxTxK = gates_BxTxK * keep_BxTxK
@@ -347,15 +352,38 @@ def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_
     return jnp.einsum("nkd,nk->nd", y.reshape(N, k, -1), gates_NxK)
 
 
-def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_down, *, n_experts: int, rows: int
-                     ) -> jax.Array:
+def own_expert(w_ExAxB: jax.Array, d: int, axis: int) -> jax.Array:
+    """More data ranks (d) than experts (E), each expert replicated on r = d / E ranks (rank q
+    runs expert q // r): every rank stores a 1/d slice along `axis` (the `embed` dim) of every
+    expert, and this assembles the rank's own expert whole, [1, A, B], by one all-to-all over
+    `data` (rank j is sent the slice of expert j // r). Its transpose sends each replica's
+    gradient slices back to where they are stored, where the r replicas' gradients of each slice
+    are summed (the transpose of the local gather): the expert's gradient complete, reduced over
+    its replicas only, in (d-1)/d of one expert's bytes per rank each way."""
+    E = w_ExAxB.shape[0]
+    owner = jnp.asarray(jnp.arange(d) // (d // E))
+    return jax.lax.all_to_all(w_ExAxB[owner], "data", 0, axis, tiled=True)
+
+
+def replica_groups(n_experts: int, d: int) -> list[list[int]]:
+    """The data ranks that exchange tokens when each expert has r = d / E replicas: r groups of E
+    ranks, group j = {j, j + r, ..., j + (E-1)·r}, whose e-th member runs expert e (`own_expert`).
+    A token goes to the replica of its expert in its own rank's group: on a balanced load every
+    replica serves as many tokens as an unreplicated expert's rank does."""
+    r = d // n_experts
+    return [[j + e * r for e in range(n_experts)] for j in range(r)]
+
+
+def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_down, *, n_experts: int, rows: int,
+                     groups: list[list[int]] | None = None) -> jax.Array:
     """`experts_dropless` with the experts split over the data ranks (this rank holds
     experts [r·El, (r+1)·El), El = n_experts / d): each assignment travels to its expert's rank
     by an all-to-all, the rank runs its experts as grouped matmuls over what arrived from every
     rank, and the results travel back by a second all-to-all (their transposes, two more, in the
     backward pass). A fixed buffer of `rows` rows per destination rank (XLA:CPU has no ragged
     all-to-all): the worst case, so no assignment is ever dropped; dropped ones (capacity mode,
-    `keep_NxK` 0) are not sent."""
+    `keep_NxK` 0) are not sent. With `groups` (replicated experts, `replica_groups`) the
+    all-to-alls run within this rank's group of n_experts ranks, one expert each."""
     N, k = experts_NxK.shape
     D = x_NxD.shape[1]
     El = w_gate.shape[0]
@@ -375,15 +403,15 @@ def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_do
     token = jnp.arange(N * k) // k
     send = vary(jnp.zeros((d * rows, D), x_NxD.dtype), axes).at[index].set(x_NxD[token], mode="drop")
     send_e = vary(jnp.full((d * rows,), El, jnp.int32), axes).at[index].set(flat % El, mode="drop")
-    recv = exchange_experts(send)  # [d * rows, D]: rows from rank 0, 1, ...
-    recv_e = exchange_experts(send_e)  # the local expert of each row; El: an empty row
+    recv = exchange_experts(send, groups)  # [d * rows, D]: rows from rank 0, 1, ...
+    recv_e = exchange_experts(send_e, groups)  # the local expert of each row; El: an empty row
     local = jnp.argsort(recv_e, stable=True)  # grouped by local expert, empty rows last
     sizes = jnp.sum(jax.nn.one_hot(recv_e, El, dtype=jnp.int32), axis=0)
     xs = recv[local]
     h = jax.nn.silu(grouped(xs, w_gate, sizes)) * grouped(xs, w_up, sizes)
     ys = grouped(h, w_down, sizes)
     y_recv = jnp.zeros_like(ys).at[local].set(ys, unique_indices=True)
-    back = exchange_experts(y_recv)  # each row back where it was sent from
+    back = exchange_experts(y_recv, groups)  # each row back where it was sent from
     y = jnp.where(valid[:, None], jnp.take(back, jnp.minimum(index, d * rows - 1), axis=0), 0)
     return jnp.einsum("nkd,nk->nd", y.reshape(N, k, D), gates_NxK)
 

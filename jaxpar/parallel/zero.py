@@ -30,7 +30,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config, ConfigError
-from jaxpar.sharding import Rules, storage_rules
+from jaxpar.sharding import expert_replicas, Rules, storage_rules
 
 
 ZERO_DIM_NAME = "embed"
@@ -68,7 +68,8 @@ class Layout:
     gather_dims: dict  # (names, shape of a shard) -> its data-sharded dim, for a shard met by name
     stage_dims: Any = None  # per leaf, the dim sharded over `stage` (shared leaves of a pipeline) or None
     # Per leaf, whether its storage splits it over `data` already (MoE expert parallelism): each
-    # data rank holds its own experts, whose gradients are complete there and never reduced.
+    # data rank holds its own experts (or, with more ranks than experts, a slice of every expert),
+    # whose gradients are complete there and never reduced.
     experts: Any = None
 
     def gather_dim(self, names: tuple[str, ...], shard_shape: tuple[int, ...]) -> int:
@@ -110,7 +111,14 @@ def make_layout(cfg: Config, mesh: Mesh, names: Any, shapes: Any) -> Layout:
     def split(spec: P) -> tuple[int, ...]:
         return tuple(math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax or ())) for ax in spec)
 
-    # Leaves that expert parallelism splits over `data` already (`experts` on `data`) take no ZeRO dim.
+    if expert_replicas(cfg, data) > 1:
+        # More data ranks than experts: every rank stores a 1/data slice of every expert's `embed`
+        # dim, whatever the ZeRO stage, and assembles its own expert where it is used (an
+        # all-to-all, `jaxpar.model.moe.own_expert`, whose transpose sums each expert's gradient
+        # over its replicas): less than a whole expert per rank, and no further reduction.
+        base = jax.tree.map(lambda n, b: _with_data(b, n.index("embed")) if "experts" in n else b, names, base,
+                            is_leaf=_is_names)
+    # Leaves that expert parallelism splits over `data` already take no ZeRO dim.
     experts = jax.tree.map(lambda b: "data" in _axes_of(b), base, is_leaf=lambda x: isinstance(x, P))
     dims = jax.tree.map(lambda n, s, b, e: None if e else zero_dim(n, s.shape, split(b), data, min_elements),
                         names, shapes, base, experts, is_leaf=_is_names)

@@ -28,6 +28,21 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
+def _experts_layout(cfg, d: int) -> str:
+    """Where an MoE model's experts live over `data`, for the summary ('' for a dense model)."""
+    from jaxpar.sharding import expert_replicas
+    m = cfg.model
+    if not m.moe or d == 1:
+        return ""
+    r = expert_replicas(cfg, d)
+    if r == 0:
+        return "; experts: all on every data rank, gradients reduced over data"
+    if r == 1:
+        return f"; experts: {m.n_experts // d} of {m.n_experts} per data rank, tokens sent by all-to-all"
+    return (f"; experts: each on {r} data ranks, a 1/{d} slice of every expert stored per rank and the "
+            "rank's own assembled by all-to-all")
+
+
 def summary(cfg, mesh) -> str:
     from jaxpar import model
     from jaxpar.mesh import describe
@@ -52,7 +67,8 @@ def summary(cfg, mesh) -> str:
         f"train   {tr.steps} steps x {tr.global_batch} sequences ({tr.global_batch * m.seq_len:,} tokens/step), "
         f"lr {tr.lr:g}, data {cfg.data.source!r}, run_dir {tr.run_dir}",
         f"parallel zero {cfg.parallel.zero}, remat {cfg.parallel.remat}, microbatches {cfg.parallel.microbatches}; "
-        f"gradients: {naive.describe(cfg) if cfg.parallel.data_mode == 'naive' else describe_reduction(cfg)}",
+        f"gradients: {naive.describe(cfg) if cfg.parallel.data_mode == 'naive' else describe_reduction(cfg)}"
+        + _experts_layout(cfg, mesh.shape["data"]),
         f"state   per device (of the fully replicated total): {per_device}"
         + ("; optimizer state in pinned host memory" if cfg.parallel.offload == "optimizer" else ""),
         *_pipeline_line(cfg, mesh),
