@@ -253,7 +253,8 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # input and output cotangent for W into that slot, over what it consumed, and what does
         # not fit into the wstash (`pipeline._pack`: with remat `none` everything fits).
         f = costs_moe.moe_fraction(m)  # (per layer: a mixed model's mean of both kinds)
-        width = _tap_width(m, t, mlp=False) + f * costs_moe.tap_width(m, t) + (1 - f) * (_tap_width(m, t) - _tap_width(m, t, mlp=False))
+        width = (_tap_width(m, t, mlp=False) + f * costs_moe.tap_width(m, t, costs_moe.routes_sequence_shard(cfg, t))
+                 + (1 - f) * (_tap_width(m, t) - _tap_width(m, t, mlp=False)))
         taps = int(rows * m.seq_len * layers * width * _BYTES[m.dtype]) if table.split else 0
         homeless = max(0, taps - (act["layers"] + msg))
         buffers = ((table.fwd_slots + table.bwd_slots) * msg + table.stash * (act["layers"] + msg)
@@ -437,7 +438,7 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             # (GSPMD places an all-to-all over stage each way).
             out.append(Collective("all-to-all", ("stage",), st["blocks"], 2))
     if t > 1:
-        out += _tensor_collectives(cfg, rows, t, sp, act_size, p)
+        out += _tensor_collectives(cfg, rows, t, sp, act_size, p, d)
     volume, count = costs_moe.all_to_all(cfg, shape, rows, act_size)
     if count:  # tokens to their experts and back: the expert compute waits on them (exposed)
         out.append(Collective("all-to-all", ("data",), volume, count))
@@ -455,7 +456,7 @@ def _gather_per_step(cfg: Config, p: int) -> bool:
     return par.zero == 3 and par.zero3_gather == "step" and (par.microbatches > 1 or p > 1)
 
 
-def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int, p: int) -> list[Collective]:
+def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int, p: int, d: int) -> list[Collective]:
     """Megatron's activation collectives over `model`: per layer and microbatch, one closing each
     sub-layer each way (all-reduce of b·s·h; under SP an all-gather of b·s·h and a reduce-scatter
     to b·s·h/t), the vocab-parallel embedding's and head's, and again for every recomputed forward
@@ -473,10 +474,11 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     forwards = 1 + (par.remat == "full")  # forward passes of each layer per microbatch
     dots = par.remat in ("dots", "offload")
     out = []
+    sub = _tp_sublayers(cfg, L, t)
     if sp:
         gathers = forwards + 1 + (dots or par.remat == "dots_except_mlp")
-        out.append(Collective("all-gather", ("model",), A, 2 * L * micro * gathers))
-        out.append(Collective("reduce-scatter", ("model",), A / t, 2 * L * micro * (forwards + 1)))
+        out.append(Collective("all-gather", ("model",), A, sub * micro * gathers))
+        out.append(Collective("reduce-scatter", ("model",), A / t, sub * micro * (forwards + 1)))
         out.append(Collective("reduce-scatter", ("model",), A / t, micro))  # embedding, forward
         out.append(Collective("all-gather", ("model",), A, micro))  # head input, forward
         out.append(Collective("all-gather", ("model",), A, micro))  # embedding, backward
@@ -499,7 +501,24 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
         small += 2 * m.d_model * (2 if m.arch == "gpt2" else 1) * _BYTES[m.param_dtype]
     if small:
         out.append(Collective("all-reduce", ("model",), small * L, micro))
+    experts = costs_moe.whole_experts_bytes(cfg, d, t) * _moe_layers(cfg, L)
+    if experts:  # experts whole on every model rank: their gradients summed over model where used
+        out.append(Collective("all-reduce", ("model",), experts, micro))
     return out
+
+
+def _moe_layers(cfg: Config, L: int) -> int:
+    """MoE layers among L layers of one stage (all, or a mixed model's share)."""
+    return round(L * costs_moe.moe_fraction(cfg.model))
+
+
+def _tp_sublayers(cfg: Config, L: int, t: int) -> int:
+    """Sub-layers of L layers closed by an activation collective over `model`: attention and the
+    MLP of each, less the MoE layers whose routed experts are whole on every model rank
+    (`expert_tensor_parallel: false`: each rank routes its own sequence shard) and which have no
+    shared experts (those stay tensor-parallel, `enter_tp`/`exit_tp` of their own)."""
+    return 2 * L - (_moe_layers(cfg, L) if costs_moe.routes_sequence_shard(cfg, t) and not cfg.model.n_shared_experts
+                    else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,7 +606,7 @@ def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dic
         shapes = shapes[:2]
         moe = f * costs_moe.gemm_terms(cfg, shape, M, gemm_rows, gemm_units, lambda r, k, n, u: gemm_rows(
             r, k, n, u, peak=hw.peak_flops_fp32, act=4)) + (1 - f) * dense_mlp
-        width = f * costs_moe.mlp_width(m, t) + (1 - f) * width
+        width = f * costs_moe.mlp_width(m, t, costs_moe.routes_sequence_shard(cfg, t)) + (1 - f) * width
     else:
         moe = 0.0
 
@@ -760,21 +779,22 @@ def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[st
     Lc = m.n_layers // (p * par.virtual_stages)
     ticks = _schedule(cfg, p)[0].num_ticks()
     full, dots = par.remat == "full", par.remat == "dots"
+    S2 = _tp_sublayers(cfg, Lc, t)  # (2 per layer, less MoE layers routing their sequence shard)
     if par.sequence_parallel:
         # (dots_except_mlp gathers again as dots; offload is refused under a pipeline.)
-        regather = 2 * Lc * (full or dots or par.remat == "dots_except_mlp")
+        regather = S2 * (full or dots or par.remat == "dots_except_mlp")
         # F: the chunk forward, the head's input gather and (its backward) scatter, the
         # embedding's scatter; B or I: the chunk backward (and what remat recomputes).
-        gathers = (2 * Lc + 1) + (2 * Lc + regather + 2 * Lc * full)
+        gathers = (S2 + 1) + (S2 + regather + S2 * full)
         # (dots: attention's closing reduce-scatter again, as the all-reduce below; fitted to the
         # compiled pipelines, -13% -> -9%, and not in `_tensor_collectives`' SP count, where the
         # one-stage case measured -1.8% without it.)
-        scatters = (1 + 2 * Lc + 1) + (2 * Lc + 2 * Lc * full + Lc * dots)
+        scatters = (1 + S2 + 1) + (S2 + S2 * full + Lc * dots)
         static = ticks * (gathers * A + scatters * A / t)
     else:
         again = 2 * Lc * full + Lc * dots  # (dots: attention's closing all-reduce, again)
         static = ticks * A * ((1 + 2 * Lc + 1) + (2 * Lc + again))
-    executed = sum(c.bytes * c.count for c in _tensor_collectives(cfg, rows, t, par.sequence_parallel, _BYTES[m.dtype], p)
+    executed = sum(c.bytes * c.count for c in _tensor_collectives(cfg, rows, t, par.sequence_parallel, _BYTES[m.dtype], p, d)
                    if c.bytes >= A / t)
     out["model"] += static - executed
     return out

@@ -23,8 +23,13 @@ What it counts, per device, with expert parallelism (`parallel.expert_parallel` 
   forward pass to the backward: the stage's MoE layers' experts held, as `gathered_params`;
   otherwise one layer's, or two on GPU, in flight). The tokens' all-to-alls run within groups
   of E ranks with the same volume per device as above.
-- not modelled: `parallel.expert_tensor_parallel: false` (experts whole on every model rank,
-  routing each rank's sequence shard) is costed as the expert-TP layout (DESIGN.md §9).
+- experts whole on every model rank (`parallel.expert_tensor_parallel: false`, sequence
+  parallelism): each model rank routes its own sequence shard, so the all-to-alls carry 1/t of
+  the tokens, the grouped matmuls run 1/t of the rows at the whole expert width, an MoE layer
+  without shared experts has no activation collective over `model` for its MLP (`costs.
+  _tp_sublayers`), and the expert weights' gradients (this rank's, whole) are all-reduced over
+  `model` per layer and microbatch where they are used. Not counted: the per-layer all-gather of
+  the shards' [sequences, E] expert counts (and [sequences, k, E] in capacity mode), a few bytes.
 - compute: only the k active experts of each token: the grouped matmuls at their per-expert
   shapes (tokens per expert = tokens x k / E, over all the data ranks' tokens under expert
   parallelism), the router in float32, the shared experts as a dense MLP.
@@ -89,8 +94,31 @@ def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
     if not expert_parallel(cfg, d):
         return 0.0, 0
     volume = rows * m.seq_len * m.experts_per_token * m.d_model * act_size * capacity_scale(m)
+    if routes_sequence_shard(cfg, shape[2]):  # each model rank sends its own sequence shard's tokens
+        volume /= shape[2]
     layers = m.n_moe_layers // p if par.stage_layers is None else max(par.stage_layers)
     return volume, layers * par.microbatches * (4 + 2 * recomputes_experts(par.remat))
+
+
+def routes_sequence_shard(cfg, t: int) -> bool:
+    """Do the MoE layers route each model rank's own sequence shard (experts whole on every model
+    rank: `parallel.expert_tensor_parallel: false`, a `model` axis of size t > 1)?"""
+    return cfg.model.moe and not cfg.parallel.expert_tensor_parallel and t > 1
+
+
+def whole_experts_bytes(cfg, d: int, t: int) -> float:
+    """Per MoE layer, the bytes of the expert weights a device stores whole on every model rank
+    (`routes_sequence_shard`): its E/d experts, its 1/d slice of every expert with replicas, or
+    all E without expert parallelism; 0 otherwise. Their gradients are summed over `model`."""
+    if not routes_sequence_shard(cfg, t):
+        return 0.0
+    m = cfg.model
+    split = d if expert_parallel(cfg, d) else 1
+    return 3 * m.d_model * m.expert_width * m.n_experts * model_bytes(m.param_dtype) / split
+
+
+def model_bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
 def assembled_experts(cfg, shape, act_size: int) -> tuple[float, int, int]:
@@ -119,23 +147,29 @@ def recomputed_flops_per_token(m, remat: str) -> float:
     return m.n_moe_layers * (experts + shared)
 
 
-def mlp_width(m, t: int) -> int:
+def mlp_width(m, t: int, local: bool = False) -> float:
     """Per token, the elements of an MoE layer's values the elementwise work passes over beyond
     d_model (the dense MLP's d_ff / t): the k routed copies (k x d_model), the experts' hidden
-    values (k x F_e / t), the shared experts' (n_shared x F_e / t) and the router's logits (E)."""
+    values (k x F_e / t), the shared experts' (n_shared x F_e / t) and the router's logits (E).
+    With `local` (`routes_sequence_shard`) a rank routes 1/t of the tokens at the whole width."""
     F, k = m.expert_width, m.experts_per_token
+    if local:
+        return (k * m.d_model + k * F + m.n_experts) / t + m.n_shared_experts * F // t
     return k * m.d_model + (k * F + m.n_shared_experts * F) // t + m.n_experts
 
 
-def tap_width(m, t: int) -> int:
+def tap_width(m, t: int, local: bool = False) -> float:
     """Per token, the elements of the MoE layer's weight matmuls' inputs and output cotangents (what
     a split pipeline's I keeps for W): per assignment the gate and up (input d_model, output F_e/t)
-    and down (input F_e/t, output d_model) matmuls, the shared experts likewise, and the router."""
-    F, D, k = m.expert_width // t, m.d_model, m.experts_per_token
+    and down (input F_e/t, output d_model) matmuls, the shared experts likewise, and the router.
+    With `local` (`routes_sequence_shard`) the routed part is 1/t of the tokens at the whole width."""
+    D, k = m.d_model, m.experts_per_token
+    F = m.expert_width if local else m.expert_width // t
     expert = 2 * (D + F) + F + D
     S = m.n_shared_experts * m.expert_width // t
     shared = 2 * (D + S) + S + D if S else 0
-    return k * expert + shared + D + m.n_experts
+    routed = k * expert + D + m.n_experts
+    return (routed / t if local else routed) + shared
 
 
 def gemm_terms(cfg, shape, M: int, gemm, gemm_units: int, router_gemm) -> float:
@@ -152,8 +186,11 @@ def gemm_terms(cfg, shape, M: int, gemm, gemm_units: int, router_gemm) -> float:
     ep = expert_parallel(cfg, d)
     local = max(1, E // d) if ep else E  # (one expert per rank when there are more ranks than experts)
     rows = M * k * (capacity_scale(m) if ep else 1.0) / local  # per local expert
+    if routes_sequence_shard(cfg, t):  # whole experts over this rank's sequence shard: 1/t of the rows
+        F, rows = m.expert_width, rows / t
     units = 3 + recomputes_experts(par.remat)  # forward, the two backward matmuls, a recomputed forward
     experts = local * (gemm(rows, D, 2 * F, units) + gemm(rows, F, D, units))
     S = m.n_shared_experts * m.expert_width // t
     shared = gemm(M, D, 2 * S, gemm_units) + gemm(M, S, D, gemm_units) if S else 0.0
-    return experts + shared + router_gemm(M, D, E, gemm_units)
+    router_rows = M / t if routes_sequence_shard(cfg, t) else M
+    return experts + shared + router_gemm(router_rows, D, E, gemm_units)

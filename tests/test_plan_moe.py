@@ -221,3 +221,32 @@ def test_mixed_layers_are_costed_by_their_kind():
         assert 2 * saved[0] == saved[1] + saved[2], remat
     matmul = [costs.compute_terms(c, (4, 1, 1), HARDWARE["h100-80gb"])["matmul"] for c in (mixed, dense, all_moe)]
     assert 2 * matmul[0] == pytest.approx(matmul[1] + matmul[2], rel=1e-9)
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_experts_whole_on_every_model_rank(shared):
+    """`expert_tensor_parallel: false` on (2, 1, 4) with SP: each model rank routes its own
+    sequence shard, so the all-to-alls carry 1/t of the tokens; an MoE layer without shared experts
+    loses its MLP's all-gather and reduce-scatter over `model` (with shared experts they stay);
+    the rank's experts (E/d of them, whole) have their gradients all-reduced over `model` per
+    layer and microbatch. (Against the compiled step: `test_plan.py`.)"""
+    shape, t = (2, 1, 4), 4
+    etp, whole = (moe(shape, shared=shared, sequence_parallel=True, expert_tensor_parallel=on) for on in (True, False))
+    [a], [b] = all_to_alls(etp, shape), all_to_alls(whole, shape)
+    assert b.bytes * t == pytest.approx(a.bytes, rel=1e-12) and a.count == b.count
+
+    def model_collectives(cfg):
+        out = {}
+        for c in costs.collectives(cfg, shape):
+            if c.axes == ("model",):
+                out[c.kind, c.bytes] = out.get((c.kind, c.bytes), 0) + c.count
+        return out
+    x, y = model_collectives(etp), model_collectives(whole)
+    experts = 3 * D * F * 8 // 2 * 4 * L  # E/d = 4 whole experts per layer, float32
+    assert y.pop(("all-reduce", experts)) == 1 and ("all-reduce", experts) not in x
+    dropped = {k: x[k] - y.get(k, 0) for k in x if x[k] != y.get(k, 0)}
+    if shared:
+        assert not dropped
+    else:  # per MoE layer and microbatch: the MLP's gather in the forward and backward, its scatter in both
+        A = B // 2 * S * D * 4
+        assert dropped == {("all-gather", A): 2 * L, ("reduce-scatter", A / t): 2 * L}, dropped
