@@ -7,6 +7,9 @@ top-2, dropless) on
   - `replicated`: mesh (8, 1, 1), every rank holds every expert (`parallel.expert_parallel: false`),
   - `3d`:        mesh (2, 2, 2), 1F1B with `--microbatches` microbatches, experts split over `data`
                  (E/2 per rank) and each expert's width over `model`,
+  - `ep_replicas`: mesh (8, 1, 1), 4 experts of width 256, top-1 (the same total and active
+                 parameters), each expert on 2 data ranks (a 1/8 slice of every expert stored per
+                 rank, the rank's own assembled by all-to-all; its ideal bytes include that),
 against `dense`: the same model with a dense SwiGLU MLP of the same active width
 (d_ff = k x expert_d_ff) on (8, 1, 1). Every program is AOT-compiled first
 (`jaxpar.train.step.lower_step`'s recipe) and read with `jaxpar.inspect`: XLA's argument and temp
@@ -56,6 +59,10 @@ MOE = (f"model.n_experts={E}", f"model.experts_per_token={K}", f"model.expert_d_
 CASES = (("ep", (8, 1, 1), MOE + ("parallel.expert_parallel=true",)),
          ("replicated", (8, 1, 1), MOE + ("parallel.expert_parallel=false",)),
          ("3d", (2, 2, 2), MOE + ("parallel.expert_parallel=true", "parallel.schedule=1f1b")),
+         # The same total and active parameters as 4 experts of twice the width, top-1: 8 data
+         # ranks, so each expert on 2 of them (a 1/8 slice of every expert stored per rank).
+         ("ep_replicas", (8, 1, 1), ("model.n_experts=4", "model.experts_per_token=1",
+                                     f"model.expert_d_ff={2 * EXPERT_D_FF}", "parallel.expert_parallel=true")),
          ("dense", (8, 1, 1), ("model.n_experts=0", f"model.d_ff={K * EXPERT_D_FF}")))
 # Micro-benchmark sizes: (tokens, d_model, experts, k, expert width).
 MICRO = ((2048, 256, 8, 2, 256), (2048, 256, 16, 2, 128), (4096, 256, 8, 2, 256))
@@ -128,7 +135,11 @@ def ideal_all_to_all_bytes(cfg) -> int:
     if not m.moe or mesh.data == 1 or not cfg.parallel.expert_parallel:
         return 0
     tokens = cfg.train.global_batch * m.seq_len // mesh.data
-    return tokens * m.experts_per_token * m.d_model * jnp.dtype(m.dtype).itemsize * 4 * (m.n_layers // mesh.stage)
+    size = jnp.dtype(m.dtype).itemsize
+    out = tokens * m.experts_per_token * m.d_model * size * 4 * (m.n_layers // mesh.stage)
+    if mesh.data > m.n_experts:  # replicas: + each rank's expert assembled, 3 weights each way per layer
+        out += 6 * m.d_model * m.expert_width * size * (m.n_layers // mesh.stage)
+    return out
 
 
 def measure(name: str, cfg) -> tuple[dict, tuple]:
