@@ -479,3 +479,29 @@ def test_the_cli_summary_says_where_the_experts_live(n_experts, expert_parallel,
     cfg = moe_run(8, 1, 1, n_experts=n_experts, moe_layers="every:2", expert_parallel=expert_parallel)
     text = summary(cfg, make_mesh(cfg, jax.devices()[:8]))
     assert says in text and "MoE in 2 of 4 layers (every:2)" in text, text
+
+
+def test_replicated_experts_checkpoint_resumes_onto_split_experts(tmp_path):
+    """A checkpoint written with each expert on 2 of 8 data ranks (every rank storing a slice of
+    every expert) is canonical: resumed on (4, 1, 2), one expert per data rank split over
+    `model`, the next steps' losses are the straight run's (to the float32 reduction order)."""
+    import shutil
+
+    import jaxpar
+    from jaxpar.train.checkpoint import saved_steps
+
+    run = tmp_path / "straight"
+    cfg = moe_run(8, 1, 1, zero=1).replace(
+        parallel={"microbatches": 1},
+        train={"steps": 4, "checkpoint_every": 2, "log_every": 1, "run_dir": str(run)})
+    want = {r["step"]: r["loss"] for r in jaxpar.train(cfg)}
+    shutil.copytree(run, tmp_path / "r")
+    shutil.rmtree(tmp_path / "r" / "checkpoints" / "4")
+    assert saved_steps(tmp_path / "r") == [2]
+    moved = moe_run(4, 1, 2, zero=1).replace(parallel={"microbatches": 1},
+                                            train={"steps": 4, "log_every": 1, "run_dir": str(tmp_path / "r")})
+    history = jaxpar.train(moved)
+    assert history.resumed_from == 2
+    got = {r["step"]: r["loss"] for r in history}
+    assert sorted(got) == [3, 4]
+    np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=0, atol=2e-5)
