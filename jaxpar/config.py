@@ -206,8 +206,9 @@ class ParallelConfig:
     are never reduced over `data`. With data a multiple r of n_experts each expert is replicated
     on r data ranks: every rank stores a 1/data slice of every expert (d_model divisible by
     data), assembles its own expert by an all-to-all where it is used, and each expert's gradient
-    is summed over its r replicas by that all-to-all's transpose (DESIGN.md §10). false: every data rank holds every expert, whose gradients are
-    reduced like the other weights'."""
+    is summed over its r replicas by that all-to-all's transpose (DESIGN.md §10).
+    false: every data rank holds every expert, whose gradients are reduced like the other
+    weights'."""
     expert_tensor_parallel: bool = True
     """MoE under tensor parallelism (model > 1): true splits each expert's width over `model`
     (Megatron's expert-TP layout: the layer's input gathered, its output reduced, as a dense MLP);

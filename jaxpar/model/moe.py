@@ -361,7 +361,7 @@ def own_expert(w_ExAxB: jax.Array, d: int, axis: int) -> jax.Array:
     are summed (the transpose of the local gather): the expert's gradient complete, reduced over
     its replicas only, in (d-1)/d of one expert's bytes per rank each way."""
     E = w_ExAxB.shape[0]
-    owner = jnp.asarray(jnp.arange(d) // (d // E))
+    owner = jnp.arange(d) // (d // E)
     return jax.lax.all_to_all(w_ExAxB[owner], "data", 0, axis, tiled=True)
 
 
