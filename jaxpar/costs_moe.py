@@ -41,6 +41,8 @@ What it counts, per device, with expert parallelism (`parallel.expert_parallel` 
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jaxpar import model
 from jaxpar.sharding import expert_replicas
 
@@ -114,11 +116,7 @@ def whole_experts_bytes(cfg, d: int, t: int) -> float:
         return 0.0
     m = cfg.model
     split = d if expert_parallel(cfg, d) else 1
-    return 3 * m.d_model * m.expert_width * m.n_experts * model_bytes(m.param_dtype) / split
-
-
-def model_bytes(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return 3 * m.d_model * m.expert_width * m.n_experts * jnp.dtype(m.param_dtype).itemsize / split
 
 
 def assembled_experts(cfg, shape, act_size: int) -> tuple[float, int, int]:
