@@ -793,21 +793,16 @@ def check_stage_axis(cfg: Config, p: int) -> None:
         _require(min(counts) >= 1 and sum(counts) == m.n_layers,
                  f"parallel.stage_layers = {list(counts)} must be positive counts that sum to model.n_layers = "
                  f"{m.n_layers}; fix the counts.")
-        _require(m.n_layers % p == 0,
-                 f"model.n_layers = {m.n_layers} must be divisible by mesh.stage = {p} even with "
-                 f"parallel.stage_layers: the parameters are stored evenly split over stages; choose n_layers "
-                 f"as a multiple of {p}.")
-    if m.mixed:  # each chunk must hold whole groups of the pattern, the same ones on every stage
-        K, N = m.moe_pattern
-        _require(K == 0 and par.stage_layers is None and m.n_moe_layers % chunks == 0,
-                 f"model.moe_layers = {m.moe_layers} cannot be pipelined over mesh.stage x parallel.virtual_stages "
-                 f"= {chunks} chunks: each chunk must hold the same whole groups of {N} layers (no dense first "
-                 f"layers, no parallel.stage_layers, {m.n_moe_layers} MoE layers divisible by {chunks}); change the "
-                 "pattern, n_layers or mesh.stage.")
     _require(par.stage_layers is not None or m.n_layers % chunks == 0,
              f"model.n_layers = {m.n_layers} cannot be split evenly into mesh.stage x parallel.virtual_stages "
              f"= {p} x {par.virtual_stages} = {chunks} pipeline chunks; choose n_layers as a multiple of {chunks}, "
              f"or give parallel.stage_layers.")
+    if m.mixed:  # each chunk must hold its dense first layers, then whole groups
+        from jaxpar.parallel.stages import stage_layout
+        try:
+            stage_layout(m, p, par.virtual_stages, par.stage_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     problem = _schedule_problem(par.schedule, p, par.microbatches, par.virtual_stages)
     if problem:
         raise ConfigError(problem)

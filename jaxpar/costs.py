@@ -25,6 +25,7 @@ from jaxpar.costs_activations import _activations, _offloaded, _tap_width, saved
 from jaxpar import costs_moe
 from jaxpar.mesh import AXES, check_sizes
 from jaxpar.parallel.gradients import reduce_at_use
+from jaxpar.parallel.stages import chunk_model, stage_layout
 from jaxpar.parallel.zero import make_layout, state_bytes
 from jaxpar.plan_presets import Hardware
 from jaxpar.train.optim import upcast_at_use
@@ -50,18 +51,21 @@ def check(cfg: Config, shape: tuple[int, int, int]) -> None:
 
 
 def _layout(cfg: Config, shape):
-    found = _layout_of(_state_key(cfg), tuple(shape))
+    found = _layout_of(_state_key(cfg, shape[1]), tuple(shape))
     if isinstance(found, Exception):
         raise found
     return found
 
 
-def _state_key(cfg: Config) -> Config:
+def _state_key(cfg: Config, p: int) -> Config:
     """`cfg` with the choices the ZeRO layout and the stored state do not read set to defaults, so
     that the planner's candidates that differ only in them share one layout (the schedule,
-    microbatches, remat; `make_layout` reads the model, the ZeRO stage, its threshold and the mesh)."""
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, microbatches=1, remat="none", schedule="1f1b", virtual_stages=1, stage_layers=None))
+    microbatches, remat; `make_layout` reads the model, the ZeRO stage, its threshold and the mesh,
+    and the stage split where the pipeline gathers its chunks' layer slots on p stages)."""
+    par = dataclasses.replace(cfg.parallel, microbatches=1, remat="none", schedule="1f1b")
+    if _stage_slots(cfg, p) is None:
+        par = dataclasses.replace(par, virtual_stages=1, stage_layers=None)
+    return dataclasses.replace(cfg, parallel=par)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -75,8 +79,21 @@ def _layout_of(cfg: Config, shape):
 
 
 def model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
-    """`_model_state`, shared by configs that differ only in what the layout does not read."""
-    return _model_state(_state_key(cfg), tuple(shape))
+    """`_model_state`, shared by configs that differ only in what the layout does not read (and,
+    unless the pipeline gathers its chunks' layer slots, `jaxpar.parallel.stages`, the stage split)."""
+    return _model_state(_state_key(cfg, shape[1]), tuple(shape))
+
+
+def _stage_slots(cfg: Config, p: int):
+    """The pipeline's layer slots where the step gathers the stacks into them (uneven stages, dense
+    first layers: `jaxpar.parallel.stages`), else None (even chunks: a reshape of the storage)."""
+    if p == 1:
+        return None
+    try:
+        slots = stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
+    except ValueError:  # chunks a mixed model cannot have: the config check refuses them
+        return None
+    return slots if slots.gather else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -106,9 +123,16 @@ def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     flat_base = jax.tree.leaves(base, is_leaf=lambda x: isinstance(x, P))
     flat_dims = jax.tree.leaves(layout.zero_dims, is_leaf=lambda x: x is None or isinstance(x, int))
     flat_sdims = jax.tree.leaves(layout.stage_dims, is_leaf=lambda x: x is None or isinstance(x, int))
+    slots = _stage_slots(cfg, mesh.shape["stage"])
     for (path, s), spec, dim, sdim, names in zip(flat_shapes, flat_base, flat_dims, flat_sdims, flat_names):
-        nbytes = _leaf_bytes(s, spec, mesh)
         is_block = path[0].key == "blocks"
+        if is_block and slots is not None:
+            # In the step each stage holds its chunks' slots of every stack (stored with `stage` on
+            # another dim: `jaxpar.parallel.stages`).
+            kind = path[1].key if cfg.model.mixed else ""
+            s = jax.ShapeDtypeStruct((mesh.shape["stage"] * slots.v * slots.width[kind], *s.shape[1:]), s.dtype)
+            spec, sdim = P("stage", *_strip_data(spec, "stage")[1:]), None
+        nbytes = _leaf_bytes(s, spec, mesh)
         if ep and costs_moe.is_expert_leaf(names):
             # Expert parallelism: this rank's E/d experts (`base` has its data split stripped; the
             # stored state of `state_bytes` counts them so already), never ZeRO-sharded.
@@ -243,8 +267,12 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     else:
         sched, table = _schedule(cfg, p)
         v = par.virtual_stages
-        layers = m.n_layers // (p * v) if par.stage_layers is None else max(par.stage_layers)
-        chunk = dataclasses.replace(m_act, n_layers=layers)
+        # Every chunk's program has the same layer slots (a skipped one's residuals are zeros).
+        try:
+            chunk = chunk_model(m_act, stage_layout(m, p, v, par.stage_layers))
+        except ValueError:  # chunks a mixed model cannot have (refused by the config check): even ones
+            chunk = dataclasses.replace(m_act, n_layers=m.n_layers // (p * v))
+        layers = chunk.n_layers
         # The last stage's chunk runs the head and the loss too: the most any stage saves.
         act = _activations(chunk, rows, t, sp, par.remat, True, flash)
         msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * _BYTES[m.dtype]
@@ -252,7 +280,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # slot for the head's cotangent); with a split table, I writes each weight matmul's
         # input and output cotangent for W into that slot, over what it consumed, and what does
         # not fit into the wstash (`pipeline._pack`: with remat `none` everything fits).
-        f = costs_moe.moe_fraction(m)  # (per layer: a mixed model's mean of both kinds)
+        f = costs_moe.moe_fraction(chunk)  # (per layer: a mixed model's mean of both kinds)
         width = (_tap_width(m, t, mlp=False) + f * costs_moe.tap_width(m, t, costs_moe.routes_sequence_shard(cfg, t))
                  + (1 - f) * (_tap_width(m, t) - _tap_width(m, t, mlp=False)))
         taps = int(rows * m.seq_len * layers * width * _BYTES[m.dtype]) if table.split else 0
@@ -305,7 +333,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
             gathered = gathered * min(1.0, _BYTES[m.dtype] / itemsize)
     _, _, expert = costs_moe.assembled_experts(cfg, (d, p, t), _BYTES[m.dtype])
     if expert:  # replicated experts: each MoE layer's own expert, assembled where used
-        held = m.n_moe_layers // p if par.remat == "none" else (1 if platform == "cpu" else 2)
+        held = costs_moe.moe_layers_on_stage(cfg, p) if par.remat == "none" else (1 if platform == "cpu" else 2)
         gathered += held * expert
     if p > 1:  # the shared leaves stored over `stage`, gathered for the step (ZeRO-3: its data shard)
         gathered += st["staged"] / (d if zero == 3 else 1)
@@ -433,7 +461,14 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             out.append(Collective("all-reduce", ("data", "stage") if d > 1 else ("stage",), (shared - staged) * f32))
         if d > 1 and zero in (1, 2) and st["sharded"]:
             out.append(Collective("all-gather", ("data",), st["sharded"]))
-        if par.virtual_stages > 1 or (par.stage_layers is not None and len(set(par.stage_layers)) > 1):
+        if _stage_slots(cfg, p) is not None:
+            # Each stage's layer slots by an all-to-all over stage (`pipeline._to_slots`), of the
+            # stored parameters (ZeRO-3: data shards), and the gradients back after their data
+            # reduction (ZeRO 1-3: data shards).
+            shards = st["blocks"] - st["blocks_sharded"] + st["blocks_sharded"] / d
+            out.append(Collective("all-to-all", ("stage",), shards if zero == 3 else st["blocks"]))
+            out.append(Collective("all-to-all", ("stage",), shards if zero >= 1 else st["blocks"]))
+        elif par.virtual_stages > 1:
             # The step reorders the block parameters into pipeline order and their gradients back
             # (GSPMD places an all-to-all over stage each way).
             out.append(Collective("all-to-all", ("stage",), st["blocks"], 2))
@@ -576,7 +611,8 @@ CALIBRATION = {"flash": 2.85, "scores": 6.6, "elementwise": 13.2, "layer_pass": 
 
 def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dict[str, float]:
     """The parts of one device's compute in a step, each in seconds at coefficient 1 (`CALIBRATION`
-    weighs the fitted ones): the device's layers (n_layers / p) for every microbatch at its
+    weighs the fitted ones): the device's layers (n_layers / p, or the busiest stage's:
+    `busiest_stage_layers`) for every microbatch at its
     per-device shapes (rows = global_batch / (data x microbatches) sequences, tensor-parallel
     dims divided by t), the head and loss (a 1/p share with a pipeline) and the optimizer update."""
     d, p, t = shape
@@ -611,7 +647,7 @@ def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dic
         moe = 0.0
 
     V = m.padded_vocab // t
-    layers, micro = m.n_layers / p, par.microbatches
+    layers, micro = busiest_stage_layers(cfg, p), par.microbatches
     core = 4 * rows * S * S * H * hd * (3 + again)
     flash = uses_flash_attention(cfg, "gpu")
     st = model_state(cfg, shape)
@@ -624,6 +660,19 @@ def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dic
         "head": micro * 4 * M * V * 4 / hw.hbm_bw / p,
         "optimizer": (2 * st["params"] + st["grads"] + 2 * st["optimizer"]) / hw.hbm_bw,
     }
+
+
+def busiest_stage_layers(cfg: Config, p: int) -> float:
+    """The layers the busiest of p pipeline stages runs: n_layers / p for an even split, the most
+    any stage's chunks hold otherwise (`parallel.stage_layers`, dense first layers; a skipped slot
+    costs nothing)."""
+    if p == 1:
+        return float(cfg.model.n_layers)
+    try:
+        slots = stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
+    except ValueError:  # chunks a mixed model cannot have: the config check refuses them
+        return cfg.model.n_layers / p
+    return float(slots.layers_per_chunk().sum(-1).max())
 
 
 def compute_seconds(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> float:

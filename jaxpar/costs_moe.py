@@ -44,6 +44,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxpar import model
+from jaxpar.parallel.stages import stage_layout
 from jaxpar.sharding import expert_replicas
 
 
@@ -98,8 +99,21 @@ def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
     volume = rows * m.seq_len * m.experts_per_token * m.d_model * act_size * capacity_scale(m)
     if routes_sequence_shard(cfg, shape[2]):  # each model rank sends its own sequence shard's tokens
         volume /= shape[2]
-    layers = m.n_moe_layers // p if par.stage_layers is None else max(par.stage_layers)
+    layers = moe_layers_on_stage(cfg, p)
     return volume, layers * par.microbatches * (4 + 2 * recomputes_experts(par.remat))
+
+
+def moe_layers_on_stage(cfg, p: int) -> int:
+    """MoE layers the busiest of p pipeline stages runs (`jaxpar.parallel.stages`: a skipped slot
+    runs nothing)."""
+    m, par = cfg.model, cfg.parallel
+    if p == 1:
+        return m.n_moe_layers
+    try:
+        slots = stage_layout(m, p, par.virtual_stages, par.stage_layers)
+    except ValueError:  # chunks a mixed model cannot have: the config check refuses them
+        return m.n_moe_layers // p
+    return int(slots.active["moe" if m.mixed else ""].sum((1, 2)).max())
 
 
 def routes_sequence_shard(cfg, t: int) -> bool:
@@ -129,7 +143,7 @@ def assembled_experts(cfg, shape, act_size: int) -> tuple[float, int, int]:
         return 0.0, 0, 0
     F = m.expert_width // t if par.expert_tensor_parallel else m.expert_width
     volume = m.d_model * F * act_size
-    layers = m.n_moe_layers // p if par.stage_layers is None else max(par.stage_layers)
+    layers = moe_layers_on_stage(cfg, p)
     return float(volume), 3 * layers * par.microbatches * (2 + (par.remat != "none")), 3 * volume
 
 

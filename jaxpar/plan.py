@@ -258,8 +258,8 @@ def memory_wall(cfg: Config, devices: int, node_size: int = 8, platform: str = "
     t = min(node_size, devices)
     while t > 1 and (cfg.model.n_heads % t or devices % t):
         t //= 2
-    p = 1
-    while p * 2 * t <= devices and devices % (p * 2 * t) == 0 and cfg.model.n_layers % (p * 2) == 0 and p * 2 <= 16:
+    p = 1  # (a stage count that does not divide the layers splits them as `stage_split` does)
+    while p * 2 * t <= devices and devices % (p * 2 * t) == 0 and cfg.model.n_layers >= p * 2 and p * 2 <= 16:
         p *= 2
     rows = []
 
@@ -277,7 +277,7 @@ def memory_wall(cfg: Config, devices: int, node_size: int = 8, platform: str = "
             else:
                 label += f" (EP: {E // d} of {E} experts per rank)"
         c = cfg.replace(mesh=dict(zip(AXES, shape)), train={"global_batch": d * m},
-                        parallel={"microbatches": m, "stage_layers": None, **par})
+                        parallel={"microbatches": m, "stage_layers": stage_split(cfg.model.n_layers, stages), **par})
         try:
             check(c, shape)
         except ConfigError as e:

@@ -91,9 +91,10 @@ MODELS = {
     # DeepSeek-V3's MoE shape, approximated: jaxpar has no multi-head latent attention (here plain
     # attention, 128 heads of 128) and no dense first layers (all 61 layers are MoE); 256 routed
     # experts of 2048 + 1 shared, top-8, sigmoid router with the bias, vocab 129280.
-    "deepseek-v3": ("DeepSeek-V3 shape, approximated: plain attention (no MLA), all 61 layers MoE (no dense first 3)",
+    "deepseek-v3": ("DeepSeek-V3 shape, approximated: plain attention (no MLA); 3 dense first layers, 58 MoE",
                     _model("llama", 61, 7168, 128, 18432, 129280, 4096, K=128, batch=4096, head_dim=128, n_experts=256,
-                           experts_per_token=8, expert_d_ff=2048, n_shared_experts=1, router="sigmoid_bias")),
+                           experts_per_token=8, expert_d_ff=2048, n_shared_experts=1, router="sigmoid_bias",
+                           moe_layers="first_dense:3")),
     "gpt3-175b": ("GPT-3 175B", _model("gpt2", 96, 12288, 96, 49152, 50257, 2048, batch=1536)),
     # Megatron-LM's 530B configuration (Narayanan et al. 2021, table 1; the MT-NLG shape): 105
     # layers, hidden 20480, 128 heads, vocabulary 51200, 2048 tokens, batch 2520.

@@ -89,8 +89,9 @@ def test_resume_on_the_same_mesh_is_bit_exact(straight, tmp_path):
 @pytest.mark.parametrize("mesh,parallel", [
     ((8, 1, 1), {"zero": 3, "microbatches": 1, "sequence_parallel": False}),
     ((1, 8, 1), {"zero": 0, "schedule": "gpipe", "microbatches": 8, "sequence_parallel": False}),
-    ((1, 2, 4), {"zero": 0, "schedule": "1f1b_one_action", "microbatches": 4}),
-], ids=["8x1x1-zero3", "1x8x1-gpipe", "1x2x4-1f1b_one_action"])
+    # Uneven stages: the stacks stored with `stage` off their `layers` dim (DESIGN.md §5.5).
+    ((1, 2, 4), {"zero": 0, "schedule": "1f1b_one_action", "microbatches": 4, "stage_layers": [3, 5]}),
+], ids=["8x1x1-zero3", "1x8x1-gpipe", "1x2x4-1f1b_one_action-uneven"])
 def test_resume_onto_another_mesh(straight, tmp_path, mesh, parallel):
     cfg, run, want = straight
     resume_copy(run, tmp_path / "r", drop_after=3)

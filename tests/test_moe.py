@@ -189,6 +189,9 @@ PARITY = [  # (mesh, schedule, zero, model options)
     ((1, 2, 4), "zb_h1", 0, {"moe_layers": "every:2", "expert_tensor_parallel": False}),
     # More data ranks than experts: each of 4 experts on 2 of 8 ranks (`own_expert`, `replica_groups`).
     ((8, 1, 1), "1f1b", 1, {}),
+    # A dense first layer, pipelined (DeepSeek-V3's pattern): stage 0 runs it and one MoE layer,
+    # stage 1 three MoE layers; the dense stack (1 layer) is stored with `stage` on another dim.
+    ((2, 2, 2), "zb_h1", 3, {"moe_layers": "first_dense:1", "n_layers": 5, "stage_layers": (2, 3)}),
 ]
 PARITY_SLOW = [
     ((2, 1, 4), "1f1b", 3, {}),
@@ -207,6 +210,10 @@ PARITY_SLOW = [
     # a dense first layer with ZeRO-2.
     ((8, 1, 1), "1f1b", 1, {"moe_layers": "every:2", "n_experts": 8}),
     ((4, 1, 2), "1f1b", 2, {"moe_layers": "first_dense:1", "router": "sigmoid_bias"}),
+    # Dense first layers on their own stages, interleaved: chunks 0-1 dense, 2-7 MoE (6 MoE layers
+    # do not split over 4 stages either), and a dense prefix with groups of two after it.
+    ((1, 4, 2), "interleaved_1f1b", 1, {"moe_layers": "first_dense:2", "n_layers": 8}),
+    ((4, 2, 1), "1f1b", 2, {"moe_layers": "first_dense:1,every:2", "n_layers": 7, "stage_layers": (3, 4)}),
     # Replicated experts (data a multiple of n_experts) with a pipeline, ZeRO-3 and mixed layers,
     # whole experts on each model rank, and capacity mode on 4 replicas.
     ((4, 2, 1), "zb_h1", 3, {"n_experts": 2, "moe_layers": "every:2"}),
@@ -217,8 +224,10 @@ PARITY_SLOW = [
 
 def _parity(mesh, schedule, zero, options):
     v = 2 if schedule == "interleaved_1f1b" else 1
+    options = dict(options)
+    n_layers, stage_layers = options.pop("n_layers", max(4, mesh[1] * v)), options.pop("stage_layers", None)
     cfg = moe_run(*mesh, schedule=schedule, zero=zero, **options)
-    cfg = cfg.replace(model={"n_layers": max(4, mesh[1] * v)}, parallel={"virtual_stages": v})
+    cfg = cfg.replace(model={"n_layers": n_layers}, parallel={"virtual_stages": v, "stage_layers": stage_layers})
     ref = reference_run(cfg)
     out = run_steps(cfg)
     assert_parity(out, ref)
@@ -464,11 +473,33 @@ def test_mixed_models_count_each_kind_of_layer():
                                                           + model.count_params(all_moe, active=True))
 
 
-def test_pipelined_mixed_models_need_the_same_groups_on_every_stage():
-    for pattern, layers in (("first_dense:2", 4), ("every:2", 2)):
-        cfg = moe_run(1, 2, 1, moe_layers=pattern).replace(model={"n_layers": layers})
-        with pytest.raises(ConfigError, match=f"moe_layers = {pattern} cannot be pipelined"):
+def test_pipelined_mixed_models_need_whole_groups_in_every_chunk():
+    for pattern, layers, counts in (("every:2", 2, None), ("first_dense:1,every:2", 5, (2, 3))):
+        cfg = moe_run(1, 2, 1, moe_layers=pattern).replace(model={"n_layers": layers},
+                                                           parallel={"stage_layers": counts})
+        with pytest.raises(ConfigError, match=rf"moe_layers = {pattern} cannot be pipelined with layers \[0, "
+                                              r"\d\) in one chunk: after the dense first layers a chunk must hold "
+                                              "whole groups of 2 layers"):
             check_sizes(cfg, (1, 2, 1))
+    # Dense first layers then whole groups in each chunk: accepted.
+    check_sizes(moe_run(1, 2, 1, moe_layers="first_dense:2").replace(model={"n_layers": 4}), (1, 2, 1))
+
+
+def test_stage_layout_of_dense_first_layers():
+    """8 layers, 3 dense first, on 2 stages of 2 chunks (chunk c = k·p + s on stage s): chunk 0
+    holds dense 0-1, chunk 1 dense 2 and MoE 0, chunks 2-3 MoE 1-4. Every chunk has 2 dense and
+    2 MoE slots; inactive ones repeat an active layer and are never scattered back."""
+    from jaxpar.parallel.stages import chunk_model, stage_layout
+    m = layer_cfg(n_layers=8, moe_layers="first_dense:3")
+    lay = stage_layout(m, p=2, v=2)
+    assert lay.width == {"dense": 2, "moe": 2} and lay.gather
+    np.testing.assert_array_equal(lay.active["dense"][:, :, :], [[[1, 1], [0, 0]], [[1, 0], [0, 0]]])
+    np.testing.assert_array_equal(lay.active["moe"][:, :, :], [[[0, 0], [1, 1]], [[1, 0], [1, 1]]])
+    np.testing.assert_array_equal(lay.slots["moe"], [0, 0, 1, 2, 0, 0, 3, 4])
+    np.testing.assert_array_equal(lay.layer_slot["dense"], [0, 1, 4])
+    np.testing.assert_array_equal(lay.layer_slot["moe"], [4, 2, 3, 6, 7])
+    np.testing.assert_array_equal(lay.layers_per_chunk(), [[2, 2], [2, 2]])
+    assert chunk_model(m, lay).moe_layers == "first_dense:2" and chunk_model(m, lay).n_layers == 4
 
 
 @pytest.mark.parametrize("n_experts,expert_parallel,says", [

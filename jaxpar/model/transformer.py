@@ -74,10 +74,11 @@ class Transformer(nnx.Module):
             x_BxTxD = x_BxTxD + local_seq(self.pos_embed[:tokens_BxT.shape[1]].astype(cfg.dtype))[None]
         return constrain(x_BxTxD, ("batch", "sp_seq", "embed"))
 
-    def backbone(self, x_BxTxD: jax.Array, *, remat: str = "none", n_active: jax.Array | None = None) -> jax.Array:
-        """All blocks, scanned over `layers` (only the first `n_active` of them, when given: the
-        rest pass x through, e.g. padding layers of a pipeline stage that holds fewer layers)."""
-        return run_blocks(self.cfg, self.blocks, x_BxTxD, remat, n_active)
+    def backbone(self, x_BxTxD: jax.Array, *, remat: str = "none", active: dict[str, jax.Array] | None = None
+                 ) -> jax.Array:
+        """All blocks, scanned over `layers` (with `active`, only the active ones: the rest pass x
+        through, e.g. the padding slots of a pipeline chunk, `jaxpar.parallel.stages`)."""
+        return run_blocks(self.cfg, self.blocks, x_BxTxD, remat, active)
 
     def head(self, x_BxTxD: jax.Array) -> jax.Array:
         """Final norm and output projection: logits [B, T, V] in float32 (this rank's slice of the
@@ -186,10 +187,12 @@ def layer_order(cfg: ModelConfig) -> dict[str, np.ndarray]:
     return {"dense": np.flatnonzero(~moe), "moe": np.flatnonzero(moe)}
 
 
-def run_blocks(cfg: ModelConfig, blocks: nnx.Module, x_BxTxD: jax.Array, remat: str, n_active: jax.Array | None = None
-               ) -> jax.Array:
+def run_blocks(cfg: ModelConfig, blocks: nnx.Module, x_BxTxD: jax.Array, remat: str,
+               active: dict[str, jax.Array] | None = None) -> jax.Array:
     """Scan `x` through the stacked `blocks` (params with a leading `layers` dim; two stacks for a
-    mixed model); layers at index >= `n_active` (if given) leave x unchanged."""
+    mixed model). With `active` (kind -> bool per layer of that stack: a pipeline chunk's slots,
+    `jaxpar.parallel.stages`), an inactive layer is skipped (a `lax.cond`: no compute) and leaves
+    x unchanged."""
     split = active_split()  # the pipeline's split backward: each layer's matmul taps are scanned too
     taps = split.taps if split is not None else None
     names = _block_names(cfg)
@@ -201,7 +204,8 @@ def run_blocks(cfg: ModelConfig, blocks: nnx.Module, x_BxTxD: jax.Array, remat: 
         params[kind] = nnx.to_pure_dict(state)
         layer_taps[kind] = None if taps is None else {k: v for k, v in taps.items() if k.startswith(prefix)}
 
-        def body(x, inputs, graphdef=graphdef, template=template, kind_names=stack(names, kind), prefix=prefix):
+        def body(x, inputs, graphdef=graphdef, template=template, kind_names=stack(names, kind), prefix=prefix,
+                 kind=kind):
             layer_params, tap, i = inputs
             # This layer's parameters enter here: under data parallelism their gradients are
             # reduced at this point of the backward pass, one layer at a time, overlapping the next.
@@ -212,8 +216,10 @@ def run_blocks(cfg: ModelConfig, blocks: nnx.Module, x_BxTxD: jax.Array, remat: 
                 split.paths = {id(v): prefix + jax.tree_util.keystr(k)
                                for k, v in jax.tree_util.tree_leaves_with_path(handed)}
                 split.layer_taps = tap
-            y = nnx.merge(graphdef, layer_state)(x)
-            return (y if n_active is None else jnp.where(i < n_active, y, x)), None
+            layer = nnx.merge(graphdef, layer_state)
+            if active is None:
+                return layer(x), None
+            return jax.lax.cond(active[kind][i], layer, lambda x: x, x), None
 
         bodies[kind] = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x_BxTxD, _ = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: bodies[kind](x, (p, tap, i)), layer_taps)

@@ -2,7 +2,9 @@
 
 Layers are cut into p contiguous chunks (stage s holds layers [s·L/p, (s+1)·L/p): a reshape of
 the canonical `[layers, ...]` parameters, whose `layers` dim the storage rules already place on
-`stage`). The executor is a `lax.scan` over the table's ticks inside one shard_map manual over
+`stage`). Uneven stages and a mixed model's dense first layers run as layer slots
+(`jaxpar.parallel.stages`): the stacks are then stored with `stage` on another dim, one all-to-all
+hands each stage its slots (`_to_slots`) and an unfilled slot is skipped. The executor is a `lax.scan` over the table's ticks inside one shard_map manual over
 `stage` (and over `data` and `model` where they have more than one shard). In each tick every
 stage looks up its actions: F runs its chunk forward under `jax.vjp` on a received activation
 (the first stage embeds the microbatch's tokens; the last adds the head, the loss and their
@@ -49,6 +51,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.model.layers import split_backward, weight_gradient
+from jaxpar.parallel.stages import chunk_model, stage_layout
 from jaxpar.parallel.zero import Layout
 from jaxpar.parallel.gradients import _seed, gather_at_use, hand_out, manual_region
 from jaxpar.sharding import Handout, activation_rules, aval_varying_axes, vary, varying_axes, zeros_like_varying
@@ -101,12 +104,11 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     p, t = mesh.shape[STAGE], mesh.shape[MODEL]
     v = table.chunks
     dp = mesh.shape[DATA] > 1
-    m, L = cfg.parallel.microbatches, cfg.model.n_layers
-    counts = cfg.parallel.stage_layers
-    uneven = counts is not None and len(set(counts)) > 1
-    # Uneven stages hold max(counts) layer slots each; the slots past a stage's count are padding
-    # that passes activations through (`n_active`) and receives no gradient.
-    chunk_cfg = dataclasses.replace(cfg.model, n_layers=max(counts) if uneven else L // (p * v))
+    m = cfg.parallel.microbatches
+    # Every chunk runs the same slots per stack; a slot that holds none of its layers is skipped
+    # and receives no gradient (`jaxpar.parallel.stages`: uneven stages, dense first layers).
+    slots = stage_layout(cfg.model, p, v, cfg.parallel.stage_layers)
+    chunk_cfg = chunk_model(cfg.model, slots)
     model.param_names(chunk_cfg)  # build (and cache) the chunk model's abstract state outside any mesh context
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
     sp = cfg.parallel.sequence_parallel and t > 1
@@ -124,13 +126,15 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     fwd_pairs = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
     bwd_pairs = [((i + 1) % p, i) for i in range(p if v > 1 else p - 1)]
 
-    def chunk_forward(blocks, shared, x_in, tokens, first):
+    def chunk_forward(blocks, shared, x_in, tokens, first, k):
         # Only the first chunk embeds (a cond, not a select: under tensor parallelism the lookup
         # ends in a collective, under ZeRO-3 the embedding's gather, that the other stages must
         # not pay for). The shared parameters are bound inside the branch for that reason.
         x = jax.lax.cond(first, lambda: model.bind(chunk_cfg, shared).embed_tokens(tokens), lambda: x_in)
-        n_active = jnp.asarray(counts)[jax.lax.axis_index(STAGE)] if uneven else None
-        return model.bind(chunk_cfg, {"blocks": blocks}).backbone(x, remat=remat, n_active=n_active)
+        active = None
+        if slots.gather:  # this (stage, local chunk)'s active slots, per stack
+            active = {kind: jnp.asarray(a)[jax.lax.axis_index(STAGE), k] for kind, a in slots.active.items()}
+        return model.bind(chunk_cfg, {"blocks": blocks}).backbone(x, remat=remat, active=active)
 
     def reduce_data(g, dim):
         """The data-axis reduction after the loop of one gradient whose ZeRO dim is `dim`."""
@@ -144,6 +148,9 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
 
     def local(params, batch):
         stage = jax.lax.axis_index(STAGE)
+        if slots.gather:  # this stage's chunks' layer slots, from the stacks stored over `stage` otherwise
+            params = {**params, "blocks": _by_kind(params["blocks"], layout.stage_dims["blocks"],
+                                                   lambda w, kind, sd: _to_slots(w, sd, slots.slots[kind], p, stage))}
         # The shared leaves (embeddings, final norm, head) are stored sharded over `stage` where
         # they are large (`Layout.stage_dims`): gathered here, for the step.
         params = {k: w if k == "blocks" else jax.tree.map(_gather_stage, w, layout.stage_dims[k],
@@ -225,7 +232,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             def f(rest, sh, x, tap_in):
                 bl = handed(unflat({**fixed, **rest}), full_bl, block_mask)
                 with split_backward(tap_in) if table.split else contextlib.nullcontext():
-                    return chunk_forward(bl, handed(sh, shared, shared_mask), x, tokens, ends(k)[0])
+                    return chunk_forward(bl, handed(sh, shared, shared_mask), x, tokens, ends(k)[0], k)
 
             y, pullback = jax.vjp(f, rest, sh, x_in, zero_taps() if table.split else None)
             leaves, treedef = jax.tree.flatten(pullback)
@@ -382,7 +389,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             z = rows["f_mb"][0][stage] * 0  # an index that varies over `stage` as the tick's do
             if table.split:  # the taps' shapes, from a recording trace of the chunk
                 with split_backward(None) as rec:
-                    jax.make_jaxpr(lambda x: chunk_forward(chunk_params(z), shared, x, micro[z, :, :-1], z > 0))(
+                    jax.make_jaxpr(lambda x: chunk_forward(chunk_params(z), shared, x, micro[z, :, :-1], z > 0, z))(
                         zeros(act_shape))
                 for k_, (xs, xd, gs, gd, ax, ws) in rec.shapes.items():
                     taps[k_] = (xs, xd, gs, gd, tuple(sorted({*ax, *data_axes, STAGE})), ws)
@@ -415,6 +422,9 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                                                       reduce_data(g.reshape(-1, *g.shape[2:]), dim)).astype(w.dtype),
                                 g_blocks, params["blocks"], layout.zero_dims["blocks"], layout.experts["blocks"],
                                 is_leaf=lambda x: x is None or isinstance(x, int))
+        if slots.gather:  # back from the slots to the stacks' storage (a padding slot's gradient dropped)
+            g_blocks = _by_kind(g_blocks, layout.stage_dims["blocks"],
+                                lambda g, kind, sd: _from_slots(g, sd, slots.layer_slot[kind], p, stage))
         g_shared = {k: jax.tree.map(lambda g, w, dim, sdim: _reduce_stage(reduce_data(g, dim), sdim).astype(w.dtype),
                                     g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k])
                     for k in g_shared}
@@ -424,17 +434,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     in_specs, out_specs = layout.manual_specs("params", manual), layout.manual_specs("grads", manual)
     run = jax.shard_map(local, mesh=mesh, in_specs=(in_specs, batch_spec), out_specs=(P(), out_specs),
                         axis_names=manual)
-    if uneven:
-        slots, layer_slot = _padded_layout(counts)
-
-        def padded(params, batch):
-            # Stage s holds its counts[s] layers in max(counts) slots: a gather of the canonical
-            # [layers, ...] blocks (resharded over `stage` every step), and back for the gradients.
-            loss, grads = run({**params, "blocks": jax.tree.map(lambda w: w[slots], params["blocks"])}, batch)
-            return loss, {**grads, "blocks": jax.tree.map(lambda g: g[layer_slot], grads["blocks"])}
-
-        return padded
-    if v == 1:
+    if v == 1 or slots.gather:  # (the slots are in pipeline order already)
         return run
 
     def interleaved(params, batch):
@@ -565,14 +565,34 @@ def _is_names(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
-def _padded_layout(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """For layer counts per stage: the canonical layer held by each of the p x max(counts) slots
-    (padding slots repeat the stage's last layer, so they hold finite values), and the slot of
-    each canonical layer."""
-    width, starts = max(counts), np.cumsum((0, *counts[:-1]))
-    slots = np.array([starts[s] + min(i, c - 1) for s, c in enumerate(counts) for i in range(width)])
-    layer_slot = np.array([s * width + i for s, c in enumerate(counts) for i in range(c)])
-    return slots, layer_slot
+def _by_kind(blocks, dims, fn):
+    """`fn(leaf, kind, dim)` on every leaf of a `blocks` tree, with its stack's kind and its leaf of
+    `dims` (a tree of ints or None alike)."""
+    is_dim = lambda x: x is None or isinstance(x, int)  # noqa: E731
+    if set(blocks) == {"dense", "moe"}:
+        return {kind: jax.tree.map(lambda w, sd, kind=kind: fn(w, kind, sd), blocks[kind], dims[kind], is_leaf=is_dim)
+                for kind in blocks}
+    return jax.tree.map(lambda w, sd: fn(w, "", sd), blocks, dims, is_leaf=is_dim)
+
+
+def _to_slots(w: jax.Array, dim: int | None, slots: np.ndarray, p: int, stage: jax.Array) -> jax.Array:
+    """A stack stored with its `layers` dim whole and `stage` on `dim` (None: replicated over
+    `stage`) -> this stage's [v·width, ...] layer slots (`jaxpar.parallel.stages`): every stage
+    picks all stages' slots from its slice, and one all-to-all over `stage` hands each stage its own
+    with `dim` whole (the bytes of its slots, once). Replicated: a local pick."""
+    if dim is None:
+        return jnp.take(w, jnp.asarray(slots.reshape(p, -1))[stage], axis=0)
+    return jax.lax.all_to_all(jnp.take(w, jnp.asarray(slots), axis=0), STAGE, 0, dim, tiled=True)
+
+
+def _from_slots(g: jax.Array, dim: int | None, layer_slot: np.ndarray, p: int, stage: jax.Array) -> jax.Array:
+    """The transpose of `_to_slots` for a gradient: this stage's slots back to the stack's storage,
+    each layer's gradient from its one slot (padding slots' dropped)."""
+    if dim is None:  # every stage's slots summed over `stage` (each layer has one slot)
+        every = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((p * g.shape[0], *g.shape[1:]), g.dtype), g,
+                                                   stage * g.shape[0], 0)
+        return jnp.take(jax.lax.psum(every, STAGE), jnp.asarray(layer_slot), axis=0)
+    return jnp.take(jax.lax.all_to_all(g, STAGE, dim, 0, tiled=True), jnp.asarray(layer_slot), axis=0)
 
 
 def _reorder(w: jax.Array, outer: int, inner: int) -> jax.Array:

@@ -107,6 +107,15 @@ def make_layout(cfg: Config, mesh: Mesh, names: Any, shapes: Any) -> Layout:
     zero, data, min_elements = cfg.parallel.zero, mesh.shape["data"], cfg.parallel.zero_min_elements
     rules: Rules = storage_rules(cfg, mesh)
     base = jax.tree.map(rules.spec, names, is_leaf=_is_names)
+    p = mesh.shape["stage"]
+    # Where the pipeline's chunks are not an even split of the stacks (uneven stages, a mixed
+    # model's dense first layers: `jaxpar.parallel.stages`), every stack is stored with its
+    # `layers` whole and `stage` on another dim (`_stage_dim`), and the step hands each stage its
+    # chunks' layers by an all-to-all over `stage`.
+    slots = _gathers_slots(cfg, p)
+    if slots:
+        base = jax.tree.map(lambda n, b: _without_stage(b) if n[:1] == ("layers",) else b, names, base,
+                            is_leaf=_is_names)
 
     def split(spec: P) -> tuple[int, ...]:
         return tuple(math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax or ())) for ax in spec)
@@ -134,8 +143,8 @@ def make_layout(cfg: Config, mesh: Mesh, names: Any, shapes: Any) -> Layout:
     # full gradient is accumulated before its reduction (`jaxpar.parallel.gradients`).
     moments = stage(1)
     gather_dims = _gather_dims(names, shapes, moments, dims, mesh)  # (as the pipeline meets them: stage-gathered)
-    p = mesh.shape["stage"]
-    sdims = jax.tree.map(lambda n, s, b, d: _stage_dim(n, s.shape, split(_with_data(b, d)), d, p, min_elements),
+    sdims = jax.tree.map(lambda n, s, b, d: _stage_dim(n, s.shape, split(_with_data(b, d)), d, p, min_elements,
+                                                       slots),
                          names, shapes, base, dims, is_leaf=_is_names)
     with_stage = lambda tree: jax.tree.map(_with_stage, tree, sdims, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
     return Layout(zero=zero, params=with_stage(stage(3)), grads=with_stage(moments), moments=with_stage(moments),
@@ -146,16 +155,39 @@ def _axes_of(spec: P) -> tuple[str, ...]:
     return tuple(a for ax in spec for a in ((ax,) if isinstance(ax, str) else ax or ()))
 
 
+def _gathers_slots(cfg: Config, p: int) -> bool:
+    """Does the pipeline gather its chunks' layer slots (`jaxpar.parallel.stages.StageLayout.gather`)?"""
+    if p == 1:
+        return False
+    from jaxpar.parallel.stages import stage_layout
+    try:
+        return stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers).gather
+    except ValueError:  # chunks a mixed model cannot have: refused by the config check
+        return False
+
+
 def _stage_dim(names: tuple[str, ...], shape: tuple[int, ...], split: tuple[int, ...], zero_dim: int | None,
-               stages: int, min_elements: int) -> int | None:
-    """The dim of a leaf outside the layer stack stored sharded over `stage` (None: replicated over
-    `stage`): the largest dim, other than the ZeRO dim, that the stage size divides after the other
-    axes' split; none for block leaves (their `layers` dim is on `stage` already), one stage, or
-    a leaf under `min_elements`."""
-    if stages == 1 or "layers" in names or math.prod(shape) < min_elements:
+               stages: int, min_elements: int, slots: bool = False) -> int | None:
+    """The dim of a leaf stored sharded over `stage` besides a stack's `layers` (None: replicated
+    over `stage`): for a shared leaf, or a stack of a pipeline that gathers its layer slots
+    (`slots`), the largest dim, other than the ZeRO dim and `layers`, that the stage size divides
+    after the other axes' split; none for a stack split evenly (its `layers` dim is on `stage`
+    already), one stage, or a leaf under `min_elements`."""
+    if stages == 1 or math.prod(shape) < min_elements:
         return None
-    fits = [i for i in range(len(shape)) if i != zero_dim and shape[i] % (split[i] * stages) == 0]
+    if names[:1] == ("layers",) and not slots:
+        return None
+    fits = [i for i in range(len(shape)) if i != zero_dim and names[i] != "layers"
+            and shape[i] % (split[i] * stages) == 0]
     return max(fits, key=lambda i: (shape[i], -i)) if fits else None
+
+
+def _without_stage(spec: P) -> P:
+    """`spec` with `stage` dropped from every dim."""
+    def drop(ax):
+        kept = tuple(a for a in ((ax,) if isinstance(ax, str) else ax or ()) if a != "stage")
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return P(*map(drop, spec))
 
 
 def _with_stage(spec: P, dim: int | None) -> P:
