@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +80,18 @@ class Table:
     @property
     def ticks(self) -> int:
         return self.rows["f_valid"].shape[0]
+
+
+class Carry(NamedTuple):
+    """What the tick loop carries from tick to tick, per stage."""
+
+    fwd_buf: jax.Array   # [fwd_slots, *activation]: received activations waiting for their F
+    bwd_buf: jax.Array   # [bwd_slots, *activation]: received gradients waiting for their B (or I)
+    stash: tuple         # per residual leaf, [stash slots, size]: what F saved for B / I (and I for W)
+    wstash: dict         # (tap, 0 | 1) -> [wstash slots, ...]: what I saved for W that the stash slot cannot hold
+    g_blocks: dict       # block leaf path -> float32 [v, layers per chunk, ...]: unreduced gradients
+    g_shared: dict       # float32 gradients of the embedding, final norm and head (end stages' only)
+    loss: jax.Array      # the summed loss of the microbatches this stage finished
 
 
 def table_of(schedule) -> Table:
@@ -306,7 +318,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         def add(acc, grads, k):
             return {**acc, **{k_: acc[k_].at[k].add(g.astype(jnp.float32)) for k_, g in grads.items()}}
 
-        def tick(carry, row):
+        def tick(carry: Carry, row):
             fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc = carry
             fv, fmb, fk = row["f_valid"][stage], row["f_mb"][stage], row["f_chunk"][stage]
             bv, iv, wv = row["b_valid"][stage], row["i_valid"][stage], row["w_valid"][stage]
@@ -382,7 +394,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             rf, rb = row["f_recv"][stage], row["b_recv"][stage]
             fwd_buf = fwd_buf.at[jnp.maximum(rf, 0)].set(jnp.where(rf >= 0, recv_f, fwd_buf[jnp.maximum(rf, 0)]))
             bwd_buf = bwd_buf.at[jnp.maximum(rb, 0)].set(jnp.where(rb >= 0, recv_b, bwd_buf[jnp.maximum(rb, 0)]))
-            return (fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss), None
+            return Carry(fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss), None
 
         rows = {k: jnp.asarray(a) for k, a in table.rows.items()}
         with activation_rules(mesh, rules, param_fn=param_fn, tp=tp, compute_dtype=cfg.model.dtype):
@@ -410,11 +422,12 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
             wstash = {key: zeros((table.wstash, *items[key][0]), items[key][1], items[key][2])
                       for key in items if key not in packing}
             f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
-            carry = (zeros((table.fwd_slots, *act_shape)), zeros((table.bwd_slots, *act_shape)), stash, wstash,
+            carry = Carry(zeros((table.fwd_slots, *act_shape)), zeros((table.bwd_slots, *act_shape)), stash, wstash,
                      flat(f32_like(jax.tree.map(lambda w, dim, s: _seed(w, dim + 1, d) if s else w, blocks, block_dims,
                                                 block_mask))), f32_like(diff_shared()),
                      zeros((), jnp.float32, (*data_axes, STAGE)))
-            (_, _, _, _, g_blocks, g_shared, loss), _ = jax.lax.scan(tick, carry, rows)
+            done, _ = jax.lax.scan(tick, carry, rows)
+            g_blocks, g_shared, loss = done.g_blocks, done.g_shared, done.loss
         g_blocks = unflat(g_blocks)
         # The one reduction per step, after the tick loop.
         # (An expert-parallel leaf's gradient is complete on its data rank: not reduced.)
