@@ -477,6 +477,7 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     volume, count = costs_moe.all_to_all(cfg, shape, rows, act_size)
     if count:  # tokens to their experts and back: the expert compute waits on them (exposed)
         out.append(Collective("all-to-all", ("data",), volume, count))
+        out.append(Collective("all-to-all", ("data",), *costs_moe.expert_ids(cfg, shape, rows)))
     volume, count, _ = costs_moe.assembled_experts(cfg, shape, act_size)
     if count:  # replicated experts: each rank's expert assembled from the slices of every rank
         out.append(Collective("all-to-all", ("data",), volume, count))

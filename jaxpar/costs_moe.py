@@ -44,6 +44,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxpar import model
+from jaxpar.model.moe import buffer_rows
 from jaxpar.parallel.stages import stage_layout
 from jaxpar.sharding import expert_replicas
 
@@ -88,19 +89,30 @@ def recomputes_experts(remat: str) -> bool:
 
 
 def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
-    """(result bytes per device of one all-to-all, how many per step) of expert parallelism on
-    `data`: (tokens on the device) x k x d_model elements of the compute dtype, x capacity_factor;
-    4 per MoE layer of this device (MoE layers / stage) per microbatch, 2 more per recomputed
-    forward. (0, 0) without expert parallelism."""
-    d, p, _ = shape
+    """(result bytes per device of one all-to-all of tokens, how many per step) of expert
+    parallelism on `data`: the step's fixed buffers (`moe.buffer_rows` rows of d_model per
+    destination rank of the exchange: every rank, or with replicas the E ranks of its group), up
+    to d·min(k, E/d)/k times the (tokens on the device) x k x d_model of a ragged all-to-all; 4 per
+    MoE layer of this device (MoE layers / stage) per microbatch, 2 more per recomputed forward.
+    (0, 0) without expert parallelism."""
+    d, p, t = shape
     m, par = cfg.model, cfg.parallel
     if not expert_parallel(cfg, d):
         return 0.0, 0
-    volume = rows * m.seq_len * m.experts_per_token * m.d_model * act_size * capacity_scale(m)
-    if routes_sequence_shard(cfg, shape[2]):  # each model rank sends its own sequence shard's tokens
-        volume /= shape[2]
+    seq, shards = (m.seq_len // t, t) if routes_sequence_shard(cfg, t) else (m.seq_len, 1)
+    local = max(1, m.n_experts // d)
+    ranks = m.n_experts // local  # of the exchange: d, or E with replicas
+    volume = ranks * buffer_rows(m, rows, seq, shards, local) * m.d_model * act_size
     layers = moe_layers_on_stage(cfg, p)
     return volume, layers * par.microbatches * (4 + 2 * recomputes_experts(par.remat))
+
+
+def expert_ids(cfg, shape, rows: int) -> tuple[float, int]:
+    """(result bytes per device, how many per step) of the all-to-all of each buffer row's local
+    expert (int32) that precedes every forward's token exchange; (0, 0) without expert parallelism."""
+    volume, count = all_to_all(cfg, shape, rows, 4)
+    return volume / cfg.model.d_model, count // (4 + 2 * recomputes_experts(cfg.parallel.remat)) * (
+        1 + recomputes_experts(cfg.parallel.remat))
 
 
 def moe_layers_on_stage(cfg, p: int) -> int:

@@ -3,6 +3,7 @@ memory, the all-to-alls on `data`, no data reduction of expert weights, and acti
 Every figure is computed from the config's shapes; nothing is compiled."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -69,8 +70,13 @@ def test_zero_does_not_shard_expert_parallel_experts():
     assert mem["gathered_params"] < st["local"] - st["experts"]
 
 
-def all_to_alls(cfg, shape):
-    return [c for c in costs.collectives(cfg, shape) if c.kind == "all-to-all"]
+def all_to_alls(cfg, shape, ids=False):
+    """The planner's all-to-alls; the one of each buffer row's expert id (int32, before each
+    forward's token exchange) only with `ids`."""
+    out = [c for c in costs.collectives(cfg, shape) if c.kind == "all-to-all"]
+    rows = cfg.train.global_batch // (shape[0] * cfg.parallel.microbatches)
+    id_bytes, id_count = costs_moe.expert_ids(cfg, shape, rows)
+    return out if ids else [c for c in out if not (c.bytes == id_bytes and c.count == id_count)]
 
 
 @pytest.mark.parametrize("k,capacity,remat,micro", [(2, None, "none", 1), (4, None, "none", 2),
@@ -78,13 +84,21 @@ def all_to_alls(cfg, shape):
 def test_all_to_all_bytes(k, capacity, remat, micro):
     d = 4
     cfg = moe((d, 1, 1), k=k, capacity=capacity, remat=remat, microbatches=micro)
-    [a2a] = all_to_alls(cfg, (d, 1, 1))
+    a2a, ids = sorted(all_to_alls(cfg, (d, 1, 1), ids=True), key=lambda c: -c.bytes)
     rows = B // (d * micro)
-    assert a2a.axes == ("data",) and not a2a.overlap
-    # (tokens on the device) x k x d_model x 4 bytes (float32 compute), x capacity_factor.
-    assert a2a.bytes == pytest.approx(rows * S * k * D * 4 * (capacity or 1.0), rel=1e-12)
-    # Two each way per layer and microbatch, two more for the forward remat `full` recomputes.
+    assert a2a.axes == ids.axes == ("data",) and not a2a.overlap
+    # The step's fixed buffers: to each of the d ranks, every token's choices on its E/d = 2
+    # experts (min(k, 2) rows per token), or in capacity mode each of its experts full in every
+    # sequence, of d_model x 4 bytes (float32 compute); dropless that is d·min(k, 2)/k times
+    # the tokens x k x d_model of a ragged all-to-all.
+    per_rank = rows * S * min(k, 2) if capacity is None else min(rows * S * min(k, 2),
+                                                                 2 * math.ceil(capacity * S * k / 8) * rows)
+    assert a2a.bytes == d * per_rank * D * 4
+    assert ids.bytes == d * per_rank * 4  # each row's local expert, int32
+    # Two each way per layer and microbatch, two more for the forward remat `full` recomputes;
+    # the ids once per forward.
     assert a2a.count == L * micro * (4 + 2 * (remat == "full"))
+    assert ids.count == L * micro * (1 + (remat == "full"))
     assert costs.bytes_per_axis(cfg, (d, 1, 1))["data"] >= a2a.bytes * a2a.count
 
 

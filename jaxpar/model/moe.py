@@ -166,9 +166,7 @@ class MoE(nnx.Module):
             weights = (own_expert(weights[0], d, 1), own_expert(weights[1], d, 1), own_expert(weights[2], d, 2))
             groups = replica_groups(E, d)
         if weights[0].shape[0] < E:  # this data rank holds E / d of the experts: expert parallelism
-            rows = B * T * min(k, weights[0].shape[0])  # a destination's worst case: every token's choices
-            if cfg.capacity_factor is not None:  # or every local expert full in every sequence
-                rows = min(rows, weights[0].shape[0] * capacity(cfg, T * shards) * B)
+            rows = buffer_rows(cfg, B, T, shards, weights[0].shape[0])
             keep = None if keep_BxTxK is None else keep_BxTxK.reshape(B * T, k)
             y_NxD = experts_parallel(x_NxD, experts_NxK, gates_BxTxK.reshape(B * T, k).astype(dt), keep, *weights,
                                      n_experts=E, rows=rows, groups=groups)
@@ -209,6 +207,17 @@ def route(cfg: ModelConfig, logits_BxTxE: jax.Array, bias: jax.Array | None) -> 
     if cfg.router_norm_topk:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     return gates, experts
+
+
+def buffer_rows(cfg: ModelConfig, B: int, T: int, shards: int, local_experts: int) -> int:
+    """Rows of expert parallelism's fixed send buffer per destination rank (`experts_parallel`),
+    for B sequences of T tokens routed on this rank (`shards` sequence shards per sequence):
+    the worst case, every token's choices on that rank's `local_experts` experts, or in capacity
+    mode every one of them full in every sequence. (The planner counts the same bytes.)"""
+    rows = B * T * min(cfg.experts_per_token, local_experts)
+    if cfg.capacity_factor is not None:
+        rows = min(rows, local_experts * capacity(cfg, T * shards) * B)
+    return rows
 
 
 def capacity(cfg: ModelConfig, seq_len: int) -> int:
