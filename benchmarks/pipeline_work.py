@@ -64,6 +64,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="PJRT_NPROC for both programs (default: each as jaxpar.mesh.use_cpu_devices sizes it; fewer "
                         "threads than jaxpar asks for can hang a pipeline, so this is for separating the pool's cost "
                         "from the executor's)")
+    p.add_argument("--stage-layers", default=None,
+                   help="parallel.stage_layers of the pipelined step, comma-separated (e.g. 1,3,3,1; default even)")
     p.add_argument("--quick", action="store_true", help="smoke run: m = 4, a small model, 1 and 3 steps, nothing written")
     p.add_argument("--out", default=None, help="JSON output (default: benchmarks/results/pipeline_work_cpu.json)")
     for name in SHAPES:
@@ -89,6 +91,8 @@ def worker(args) -> int:
 
     try:
         cfg = jaxpar_config(args, args.microbatches, args.schedule if args.worker == "pipe" else None)
+        if args.worker == "pipe" and args.stage_layers:
+            cfg = cfg.replace(parallel={"stage_layers": [int(c) for c in args.stage_layers.split(",")]})
     except ConfigError as e:
         say("refused", reason=str(e))
         return 0
@@ -143,6 +147,7 @@ class Worker:
                "--microbatches", str(args.microbatches), "--short", str(args.short), "--long", str(args.long),
                "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
         cmd += ["--pool", str(args.pool)] if args.pool else []
+        cmd += ["--stage-layers", args.stage_layers] if args.stage_layers else []
         cmd += [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in SHAPES]
         env = dict(os.environ)
         for var in ("PJRT_NPROC", "NPROC", "XLA_FLAGS"):
@@ -221,7 +226,8 @@ def main(argv: list[str]) -> int:
     machine = ready["pipe"]["machine"]
     print(f"\n| program | mesh (data, stage, model) | CPU s per step | wall s per step | pool threads | temp MiB per device |\n"
           f"|---|---|---:|---:|---:|---:|")
-    for kind, label in (("pipe", f"pipelined ({args.schedule}, m = {args.microbatches})"),
+    split = f", stage_layers {args.stage_layers}" if args.stage_layers else ""
+    for kind, label in (("pipe", f"pipelined ({args.schedule}, m = {args.microbatches}{split})"),
                         ("dp", "data-parallel ZeRO-0")):
         r = ready[kind]
         mesh = ", ".join(str(r["mesh"][a]) for a in ("data", "stage", "model"))
@@ -236,7 +242,8 @@ def main(argv: list[str]) -> int:
         "benchmark": "pipeline_work", "date": machine["date"], "command": command, "machine": machine,
         "model": {"arch": "llama", **{k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in SHAPES},
                   "dtype": "float32", "remat": "none"},
-        "pool": args.pool, "schedule": args.schedule, "microbatches": args.microbatches, "microbatch_sequences": MICRO,
+        "pool": args.pool, "schedule": args.schedule, "stage_layers": args.stage_layers,
+        "microbatches": args.microbatches, "microbatch_sequences": MICRO,
         "global_batch": MICRO * args.microbatches, "devices": P,
         "short": args.short, "long": args.long, "repeats": args.repeats, "warmup": args.warmup,
         "cpu_s_per_step": cpu, "wall_s_per_step": wall, "ratio_cpu_pipe_over_dp": ratio,
