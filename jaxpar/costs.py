@@ -25,7 +25,7 @@ from jaxpar.costs_activations import _activations, _offloaded, _tap_width, saved
 from jaxpar import costs_moe
 from jaxpar.mesh import AXES, check_sizes
 from jaxpar.parallel.gradients import reduce_at_use
-from jaxpar.parallel.stages import chunk_model, stage_layout
+from jaxpar.parallel.stages import chunk_model, valid_stage_layout
 from jaxpar.parallel.zero import make_layout, state_bytes
 from jaxpar.plan_presets import Hardware
 from jaxpar.train.optim import upcast_at_use
@@ -89,11 +89,8 @@ def _stage_slots(cfg: Config, p: int):
     first layers: `jaxpar.parallel.stages`), else None (even chunks: a reshape of the storage)."""
     if p == 1:
         return None
-    try:
-        slots = stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
-    except ValueError:  # chunks a mixed model cannot have: the config check refuses them
-        return None
-    return slots if slots.gather else None
+    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
+    return slots if slots is not None and slots.gather else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -268,10 +265,9 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         sched, table = _schedule(cfg, p)
         v = par.virtual_stages
         # Every chunk's program has the same layer slots (a skipped one's residuals are zeros).
-        try:
-            chunk = chunk_model(m_act, stage_layout(m, p, v, par.stage_layers))
-        except ValueError:  # chunks a mixed model cannot have (refused by the config check): even ones
-            chunk = dataclasses.replace(m_act, n_layers=m.n_layers // (p * v))
+        slots = valid_stage_layout(m, p, v, par.stage_layers)  # (None: refused by the config check)
+        chunk = (chunk_model(m_act, slots) if slots is not None
+                 else dataclasses.replace(m_act, n_layers=m.n_layers // (p * v)))
         layers = chunk.n_layers
         # The last stage's chunk runs the head and the loss too: the most any stage saves.
         act = _activations(chunk, rows, t, sp, par.remat, True, flash)
@@ -669,11 +665,8 @@ def busiest_stage_layers(cfg: Config, p: int) -> float:
     costs nothing)."""
     if p == 1:
         return float(cfg.model.n_layers)
-    try:
-        slots = stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
-    except ValueError:  # chunks a mixed model cannot have: the config check refuses them
-        return cfg.model.n_layers / p
-    return float(slots.layers_per_chunk().sum(-1).max())
+    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
+    return cfg.model.n_layers / p if slots is None else float(slots.layers_per_chunk().sum(-1).max())
 
 
 def compute_seconds(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> float:

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from jaxpar import model
 from jaxpar.model.moe import buffer_rows
-from jaxpar.parallel.stages import stage_layout
+from jaxpar.parallel.stages import valid_stage_layout
 from jaxpar.sharding import expert_replicas
 
 
@@ -110,9 +110,11 @@ def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
 def expert_ids(cfg, shape, rows: int) -> tuple[float, int]:
     """(result bytes per device, how many per step) of the all-to-all of each buffer row's local
     expert (int32) that precedes every forward's token exchange; (0, 0) without expert parallelism."""
-    volume, count = all_to_all(cfg, shape, rows, 4)
-    return volume / cfg.model.d_model, count // (4 + 2 * recomputes_experts(cfg.parallel.remat)) * (
-        1 + recomputes_experts(cfg.parallel.remat))
+    volume, count = all_to_all(cfg, shape, rows, 4)  # (the token buffers' bytes at 4 per element: / d_model, 4 per row)
+    if not count:
+        return 0.0, 0
+    forwards = 1 + recomputes_experts(cfg.parallel.remat)
+    return volume / cfg.model.d_model, moe_layers_on_stage(cfg, shape[1]) * cfg.parallel.microbatches * forwards
 
 
 def moe_layers_on_stage(cfg, p: int) -> int:
@@ -121,11 +123,8 @@ def moe_layers_on_stage(cfg, p: int) -> int:
     m, par = cfg.model, cfg.parallel
     if p == 1:
         return m.n_moe_layers
-    try:
-        slots = stage_layout(m, p, par.virtual_stages, par.stage_layers)
-    except ValueError:  # chunks a mixed model cannot have: the config check refuses them
-        return m.n_moe_layers // p
-    return int(slots.active["moe" if m.mixed else ""].sum((1, 2)).max())
+    slots = valid_stage_layout(m, p, par.virtual_stages, par.stage_layers)
+    return m.n_moe_layers // p if slots is None else int(slots.active["moe" if m.mixed else ""].sum((1, 2)).max())
 
 
 def routes_sequence_shard(cfg, t: int) -> bool:

@@ -161,7 +161,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     def local(params, batch):
         stage = jax.lax.axis_index(STAGE)
         if slots.gather:  # this stage's chunks' layer slots, from the stacks stored over `stage` otherwise
-            params = {**params, "blocks": _by_kind(params["blocks"], layout.stage_dims["blocks"],
+            params = {**params, "blocks": _by_kind(slots, params["blocks"], layout.stage_dims["blocks"],
                                                    lambda w, kind, sd: _to_slots(w, sd, slots.slots[kind], p, stage))}
         # The shared leaves (embeddings, final norm, head) are stored sharded over `stage` where
         # they are large (`Layout.stage_dims`): gathered here, for the step.
@@ -436,7 +436,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                                 g_blocks, params["blocks"], layout.zero_dims["blocks"], layout.experts["blocks"],
                                 is_leaf=lambda x: x is None or isinstance(x, int))
         if slots.gather:  # back from the slots to the stacks' storage (a padding slot's gradient dropped)
-            g_blocks = _by_kind(g_blocks, layout.stage_dims["blocks"],
+            g_blocks = _by_kind(slots, g_blocks, layout.stage_dims["blocks"],
                                 lambda g, kind, sd: _from_slots(g, sd, slots.layer_slot[kind], p, stage))
         g_shared = {k: jax.tree.map(lambda g, w, dim, sdim: _reduce_stage(reduce_data(g, dim), sdim).astype(w.dtype),
                                     g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k])
@@ -578,14 +578,15 @@ def _is_names(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
-def _by_kind(blocks, dims, fn):
-    """`fn(leaf, kind, dim)` on every leaf of a `blocks` tree, with its stack's kind and its leaf of
-    `dims` (a tree of ints or None alike)."""
+def _by_kind(slots, blocks, dims, fn):
+    """`fn(leaf, kind, dim)` on every leaf of a `blocks` tree, with its stack's kind (the kinds of
+    `slots`, a `StageLayout`: "" for one stack, "dense" and "moe" for two) and its leaf of `dims`
+    (a tree of ints or None alike)."""
     is_dim = lambda x: x is None or isinstance(x, int)  # noqa: E731
-    if set(blocks) == {"dense", "moe"}:
-        return {kind: jax.tree.map(lambda w, sd, kind=kind: fn(w, kind, sd), blocks[kind], dims[kind], is_leaf=is_dim)
-                for kind in blocks}
-    return jax.tree.map(lambda w, sd: fn(w, "", sd), blocks, dims, is_leaf=is_dim)
+    if list(slots.width) == [""]:
+        return jax.tree.map(lambda w, sd: fn(w, "", sd), blocks, dims, is_leaf=is_dim)
+    return {kind: jax.tree.map(lambda w, sd, kind=kind: fn(w, kind, sd), blocks[kind], dims[kind], is_leaf=is_dim)
+            for kind in slots.width}
 
 
 def _to_slots(w: jax.Array, dim: int | None, slots: np.ndarray, p: int, stage: jax.Array) -> jax.Array:

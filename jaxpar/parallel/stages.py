@@ -11,9 +11,10 @@ dense layers and one MoE layer, where K' and G' are the most any chunk holds; a 
 dense layers fill its first prefix slots, its groups its first group slots.
 
 Where every slot is active and the chunks are in order, the chunks are a reshape of the stacked
-`[layers, ...]` parameters split evenly over `stage` (`gather` false). Otherwise the step gathers
-each stack into `slots` order ([p, v, width] flattened, stage-major) and scatters the gradients
-back (`layer_slot`), one resharding over `stage` each way per step."""
+`[layers, ...]` parameters split evenly over `stage` (`gather` false). Otherwise the stacks are
+stored with `stage` on another dim, and each step hands every stage its `slots` ([p, v, width]
+flattened, stage-major) by one all-to-all over `stage` and the gradients back by another
+(`layer_slot`: each layer's one slot; `jaxpar.parallel.pipeline._to_slots`)."""
 
 from __future__ import annotations
 
@@ -57,22 +58,35 @@ def chunk_counts(n_layers: int, p: int, v: int, stage_layers: tuple[int, ...] | 
     return [n_layers // (p * v)] * (p * v)
 
 
+def valid_stage_layout(m, p: int, v: int = 1, stage_layers: tuple[int, ...] | None = None) -> StageLayout | None:
+    """`stage_layout`, or None for chunks a mixed model cannot have (the config check refuses those
+    with the sentence `stage_layout` raises; the planner and the storage layout, asked about them
+    before that check, fall back to an even split)."""
+    try:
+        return stage_layout(m, p, v, stage_layers)
+    except ValueError:
+        return None
+
+
 def stage_layout(m, p: int, v: int = 1, stage_layers: tuple[int, ...] | None = None) -> StageLayout:
     """The chunks' layer slots of model config `m` on p stages of v chunks. Raises ValueError (a
     sentence) where a mixed model's chunk does not hold its dense first layers then whole groups."""
     counts = chunk_counts(m.n_layers, p, v, stage_layers)
     starts = np.cumsum([0, *counts[:-1]])
-    mixed = m.moe and m.moe_pattern != (0, 1)
+    mixed = m.mixed
     # Per global chunk and kind: the stack's layers it runs, in slot order (prefix, then groups).
     if not mixed:
         per_chunk = [{"": list(range(a, a + c))} for a, c in zip(starts, counts)]
         prefix, groups = 0, 0
         kinds = ("",)
     else:
+        from jaxpar.model.transformer import layer_order  # (the model's layers of each stack)
+
         K, N = m.moe_pattern
-        order_dense = {layer: i for i, layer in enumerate(i for i in range(m.n_layers) if not m.is_moe_layer(i))}
-        order_moe = {layer: i for i, layer in enumerate(i for i in range(m.n_layers) if m.is_moe_layer(i))}
-        per_chunk, shapes = [], []
+        order = layer_order(m)  # the stack entry of each of the model's layers, per kind
+        order_dense = {int(layer): i for i, layer in enumerate(order["dense"])}
+        order_moe = {int(layer): i for i, layer in enumerate(order["moe"])}
+        per_chunk = []
         for a, c in zip(starts, counts):
             b = a + c
             head = list(range(a, min(b, K)))  # its share of the dense first layers
@@ -89,11 +103,10 @@ def stage_layout(m, p: int, v: int = 1, stage_layers: tuple[int, ...] | None = N
                 first = rest + j * N
                 dense += [order_dense[i] for i in range(first, first + N - 1)]
                 moe.append(order_moe[first + N - 1])
-            per_chunk.append({"dense": dense, "moe": moe, "_head": len(head), "_groups": g})
-            shapes.append((len(head), g))
-        prefix, groups = int(max(h for h, _ in shapes)), int(max(g for _, g in shapes))
+            per_chunk.append({"dense": dense, "moe": moe, "_head": len(head)})
+        prefix, groups = max(c["_head"] for c in per_chunk), max(len(c["moe"]) for c in per_chunk)
         kinds = ("dense", "moe")
-    K, N = m.moe_pattern if mixed else (0, 1)
+    N = m.moe_pattern[1] if mixed else 1
     width = ({"": int(max(counts))} if not mixed else {"dense": prefix + groups * (N - 1), "moe": groups})
     active = {k: np.zeros((p, v, width[k]), bool) for k in kinds}
     slots = {k: np.zeros((p, v, width[k]), np.int64) for k in kinds}
@@ -128,7 +141,7 @@ def chunk_model(m, layout: StageLayout):
     """The model config one chunk runs: its slots per stack, in the pattern's order."""
     if list(layout.width) == [""]:
         return dataclasses.replace(m, n_layers=layout.width[""])
-    K, N = m.moe_pattern
+    N = m.moe_pattern[1]
     n_layers = layout.prefix + layout.groups * N
     pattern = ",".join(([f"first_dense:{layout.prefix}"] if layout.prefix else []) + ([f"every:{N}"] if N > 1 else []))
     return dataclasses.replace(m, n_layers=n_layers, moe_layers=pattern or "all")

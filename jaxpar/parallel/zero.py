@@ -159,11 +159,9 @@ def _gathers_slots(cfg: Config, p: int) -> bool:
     """Does the pipeline gather its chunks' layer slots (`jaxpar.parallel.stages.StageLayout.gather`)?"""
     if p == 1:
         return False
-    from jaxpar.parallel.stages import stage_layout
-    try:
-        return stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers).gather
-    except ValueError:  # chunks a mixed model cannot have: refused by the config check
-        return False
+    from jaxpar.parallel.stages import valid_stage_layout
+    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
+    return slots is not None and slots.gather
 
 
 def _stage_dim(names: tuple[str, ...], shape: tuple[int, ...], split: tuple[int, ...], zero_dim: int | None,
