@@ -23,6 +23,7 @@ from jaxpar.config import Config, validate
 # Activations: what JAX saves for the backward pass, at the per-device shapes of a candidate.
 from jaxpar.costs_activations import _activations, _offloaded, _tap_width, saved_activation_bytes  # noqa: F401
 from jaxpar import costs_moe
+from jaxpar.model.layers import flash_attention_applies
 from jaxpar.mesh import AXES, check_sizes
 from jaxpar.parallel.gradients import reduce_at_use
 from jaxpar.parallel.stages import chunk_model, valid_stage_layout
@@ -183,13 +184,10 @@ def _simulated(name: str, p: int, m: int, v: int, b_over_f: float) -> tuple[floa
 
 
 def uses_flash_attention(cfg: Config, platform: str) -> bool:
-    """Whether the step's attention is cuDNN's fused kernel: `model.attention: cudnn`, or `auto` on
-    a GPU with bf16/fp16 compute and a head size cuDNN takes (a multiple of 8, at most 128)."""
+    """Whether the step's attention is cuDNN's fused kernel: `model.attention: cudnn`, or `auto`
+    where `jaxpar.model.layers.flash_attention_applies` (the model's own rule)."""
     m = cfg.model
-    if m.attention == "cudnn":
-        return True
-    return (m.attention == "auto" and platform == "gpu" and m.dtype in ("bfloat16", "float16")
-            and m.head_size % 8 == 0 and m.head_size <= 128)
+    return m.attention == "cudnn" or (m.attention == "auto" and flash_attention_applies(m, platform))
 
 
 def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> dict[str, int]:

@@ -72,6 +72,42 @@ def test_gqa_matches_repeated_kv_heads():
     np.testing.assert_allclose(model.apply(gqa, params, toks), model.apply(mha, rep, toks), atol=1e-5)
 
 
+def test_auto_attention_is_cudnn_on_a_gpu(monkeypatch):
+    """`model.attention: auto` asks jax for cuDNN's kernel on a GPU where the model's rule applies
+    (bf16/fp16, head size a multiple of 8 up to 128), XLA's elsewhere and where cuDNN refuses the
+    shapes while tracing. jax's own default (`implementation=None`) is XLA's attention, which on
+    an H200 held the float32 [seq, seq] scores of every head (64 GiB for Llama-1B at 8 x 2048)."""
+    from jaxpar.model import layers
+
+    asked, refuse = [], []
+    real = jax.nn.dot_product_attention
+
+    def spy(*args, implementation=None, **kw):
+        asked.append(implementation)
+        if implementation in refuse:
+            raise NotImplementedError("cuDNN refuses these shapes")
+        return real(*args, implementation="xla", **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    q = jnp.zeros((1, 8, 4, 16), jnp.bfloat16)
+
+    def implementation(backend, **kw):
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        asked.clear()
+        layers.dot_product_attention(q, q, q, small(**kw))
+        return asked
+
+    assert implementation("gpu", dtype="bfloat16") == ["cudnn"]
+    assert implementation("gpu", dtype="float16") == ["cudnn"]
+    assert implementation("cpu", dtype="bfloat16") == ["xla"]
+    assert implementation("gpu", dtype="float32") == ["xla"]
+    assert implementation("gpu", dtype="bfloat16", head_dim=12) == ["xla"]
+    assert implementation("gpu", dtype="bfloat16", attention="xla") == ["xla"]
+    assert implementation("gpu", dtype="float32", attention="cudnn") == ["cudnn"]
+    refuse.append("cudnn")
+    assert implementation("gpu", dtype="bfloat16") == ["cudnn", "xla"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_bf16_compute_close_to_float32(arch):
     cfg = small(arch)

@@ -239,6 +239,33 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -
     return out.astype(x_BxTxNxH.dtype)
 
 
+def flash_attention_applies(cfg: ModelConfig, platform: str) -> bool:
+    """Whether `model.attention: auto` runs cuDNN's fused (flash) attention: on a GPU, with bf16 or
+    fp16 compute and a head size cuDNN takes (a multiple of 8, at most 128). One rule, read by the
+    model and the planner (`jaxpar.costs.uses_flash_attention`). jax's own default
+    (`implementation=None`) is XLA's attention, which materializes the float32 [seq, seq] scores
+    and probabilities of every head (checked on an H200, jax 0.11.2)."""
+    return (platform == "gpu" and cfg.dtype in ("bfloat16", "float16")
+            and cfg.head_size % 8 == 0 and cfg.head_size <= 128)
+
+
+def dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cfg: ModelConfig) -> jax.Array:
+    """Causal attention with grouped-query heads (N a multiple of K) through
+    `jax.nn.dot_product_attention`: `model.attention` `xla` or `cudnn` as asked; `auto` cuDNN's
+    kernel where `flash_attention_applies` on the backend the step is traced for, else XLA's, and
+    XLA's also where cuDNN refuses the shapes while tracing (jax raises ValueError or
+    NotImplementedError before emitting anything)."""
+    attend = functools.partial(jax.nn.dot_product_attention, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True)
+    if cfg.attention != "auto":
+        return attend(implementation=cfg.attention)
+    if flash_attention_applies(cfg, jax.default_backend()):
+        try:
+            return attend(implementation="cudnn")
+        except (ValueError, NotImplementedError):
+            pass
+    return attend(implementation="xla")
+
+
 class Attention(nnx.Module):
     """Causal self-attention with grouped-query heads: N query heads share K = n_kv_heads kv heads."""
 
@@ -249,7 +276,7 @@ class Attention(nnx.Module):
         out_std = std / math.sqrt(2 * cfg.n_layers)
         self.arch, self.dtype, self.head_dim = cfg.arch, cfg.dtype, H
         self.rope = cfg  # read by rope_tables (head_dim, rope_theta, rope_scaling and its factors)
-        self.implementation = None if cfg.attention == "auto" else cfg.attention
+        self.attention = cfg  # read by dot_product_attention (model.attention, dtype, head size)
         self.wq = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), pd, std)
         self.wk = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd, std)
         self.wv = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd, std)
@@ -292,10 +319,7 @@ class Attention(nnx.Module):
         q_BxTxNxH = constrain(q_BxTxNxH, ("batch", "seq", "heads", "head_dim"))
         k_BxTxKxH = constrain(local_kv_heads(k_BxTxKxH), ("batch", "seq", "kv_heads", "head_dim"))
         v_BxTxKxH = constrain(local_kv_heads(v_BxTxKxH), ("batch", "seq", "kv_heads", "head_dim"))
-        # jax.nn.dot_product_attention handles GQA (N a multiple of K); with `implementation=None`
-        # (model.attention = auto) it picks cuDNN's fused kernel on GPU when shapes and dtypes allow.
-        o_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
-                                                 implementation=self.implementation)
+        o_BxTxNxH = dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, self.attention)
         o_BxTxNxH = constrain(o_BxTxNxH, ("batch", "seq", "heads", "head_dim"))
         # Row-parallel: each model rank holds a partial sum until `exit_tp`; the bias comes after.
         # Named after `exit_tp`, so a policy that saves it (`dots_except_mlp`) keeps the reduced
