@@ -33,6 +33,19 @@ and the three weight stacks), at a few sizes:
                   chose it, zero elsewhere.
 The outputs and gradients of the first two are checked equal to `dense_loop`'s before timing;
 median of `--micro-reps` calls each, the three alternated (the order reversed every other round).
+
+`--gpu`: both parts on one GPU instead, at sizes a GPU is measured at (bf16 compute). Part 1 runs
+`GPU_CASES` on mesh (1, 1, 1): a Mixtral-style MoE (8 experts, top-2), a fine-grained one (64
+experts, top-8, OLMoE / Qwen3-MoE style) and the dense model of the same active parameters
+(llama, 8 layers, d_model 1024, 16/8 heads, vocab 32768, seq 2048, global batch 4, remat none;
+at batch 8 the fine-grained step's 86 GiB of temporaries beside the three programs' states did
+not fit an H200),
+with model TFLOP/s and MFU counted on the active parameters (`jaxpar.costs.model_flops_per_token`:
+the routed experts a token uses, not all). Part 2 checks the three variants equal in float32 at
+`highest` matmul precision (the check's tolerance is float32's, not bf16's) and times them in bf16;
+the table gives each variant's TFLOP/s on the ideal grouped FLOPs (the FLOPs a dropless MoE needs).
+
+    python benchmarks/moe.py --gpu --out benchmarks/results/moe_h200.json
 """
 
 from __future__ import annotations
@@ -67,6 +80,15 @@ CASES = (("ep", (8, 1, 1), MOE + ("parallel.expert_parallel=true",)),
 # Micro-benchmark sizes: (tokens, d_model, experts, k, expert width).
 MICRO = ((2048, 256, 8, 2, 256), (2048, 256, 16, 2, 128), (4096, 256, 8, 2, 256))
 MICRO_QUICK = ((256, 64, 8, 2, 64),)
+# --gpu: one device, bf16, the sizes a GPU is measured at. Every MoE case has the active MLP width
+# of the dense case (k x expert_d_ff = 5632).
+GPU_MODEL = ("model.arch=llama", "model.n_layers=8", "model.d_model=1024", "model.n_heads=16",
+             "model.n_kv_heads=8", "model.vocab_size=32768", "model.seq_len=2048", "model.dtype=bfloat16",
+             "train.global_batch=4", "parallel.remat=none")
+GPU_CASES = (("mixtral_style", (1, 1, 1), ("model.n_experts=8", "model.experts_per_token=2", "model.expert_d_ff=2816")),
+             ("fine_grained", (1, 1, 1), ("model.n_experts=64", "model.experts_per_token=8", "model.expert_d_ff=704")),
+             ("dense", (1, 1, 1), ("model.n_experts=0", "model.d_ff=5632")))
+GPU_MICRO = ((16384, 1024, 8, 2, 2816), (16384, 1024, 64, 8, 704), (32768, 2048, 8, 2, 5632))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -77,8 +99,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4, help="microbatches of the (2, 2, 2) 1F1B case (default 4)")
     p.add_argument("--steps", type=int, default=15, help="timed steps per case (default 15)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per case after compiling (default 2)")
-    p.add_argument("--cases", default=",".join(n for n, _, _ in CASES),
-                   help=f"comma-separated subset of {', '.join(n for n, _, _ in CASES)} (default: all)")
+    p.add_argument("--gpu", action="store_true",
+                   help="one GPU, bf16, GPU_CASES and GPU_MICRO instead of 8 simulated CPU devices")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="--gpu: the device's dense bf16 peak for MFU (default: looked up, H200 989)")
+    p.add_argument("--hlo-dir", default=None,
+                   help="also write each case's compiled program (HLO text) to DIR/<case>.hlo.txt")
+    p.add_argument("--cases", default=None,
+                   help=f"comma-separated subset of {', '.join(n for n, _, _ in CASES)} "
+                        f"(--gpu: {', '.join(n for n, _, _ in GPU_CASES)}; default: all)")
     p.add_argument("--micro-reps", type=int, default=5, help="timed calls per micro-benchmark variant (default 5)")
     p.add_argument("--no-micro", action="store_true", help="skip the one-device micro-benchmark")
     p.add_argument("--quick", action="store_true",
@@ -87,12 +116,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON output (default: benchmarks/results/moe_cpu.json); "
                                                "the Markdown table goes next to it with suffix .md")
     args = p.parse_args(argv)
-    known = {n for n, _, _ in CASES}
-    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    table = GPU_CASES if args.gpu else CASES
+    known = {n for n, _, _ in table}
+    args.cases = [c.strip() for c in (args.cases or ",".join(n for n, _, _ in table)).split(",") if c.strip()]
     if args.quick:
         args.layers, args.steps, args.warmup, args.micro_reps = 2, 2, 1, 2
     if args.out is None and not args.quick:
-        args.out = str(RESULTS / "moe_cpu.json")
+        args.out = str(RESULTS / ("moe_gpu.json" if args.gpu else "moe_cpu.json"))
     if (args.steps < 1 or args.warmup < 0 or args.layers < 1 or args.microbatches < 2 or args.micro_reps < 1
             or not args.cases or set(args.cases) - known):
         p.error(f"--steps, --layers, --micro-reps at least 1, --warmup at least 0, --microbatches at least 2, "
@@ -104,9 +134,12 @@ def config(name: str, mesh: tuple[int, int, int], overrides: tuple[str, ...], ar
     from jaxpar.config import load_config
 
     d, p, t = mesh
-    sets = list(MODEL) + [f"model.n_layers={args.layers}", "runtime.cpu_devices=8",
-                          f"mesh.data={d}", f"mesh.stage={p}", f"mesh.model={t}",
-                          f"parallel.microbatches={args.microbatches if p > 1 else 1}"]
+    mesh_sets = [f"mesh.data={d}", f"mesh.stage={p}", f"mesh.model={t}",
+                 f"parallel.microbatches={args.microbatches if p > 1 else 1}"]
+    if args.gpu:
+        sets = list(GPU_MODEL) + (["model.n_layers=2", "model.seq_len=256"] if args.quick else []) + mesh_sets
+    else:
+        sets = list(MODEL) + [f"model.n_layers={args.layers}", "runtime.cpu_devices=8"] + mesh_sets
     return load_config(None, sets + list(overrides) + list(args.overrides))
 
 
@@ -142,7 +175,7 @@ def ideal_all_to_all_bytes(cfg) -> int:
     return out
 
 
-def measure(name: str, cfg) -> tuple[dict, tuple]:
+def measure(name: str, cfg, hlo_dir: str | None = None) -> tuple[dict, tuple]:
     from jaxpar.inspect import analyze
     from jaxpar.train.step import build
 
@@ -151,6 +184,9 @@ def measure(name: str, cfg) -> tuple[dict, tuple]:
     t = time.perf_counter()
     compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
     compile_s = time.perf_counter() - t
+    if hlo_dir:
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        (Path(hlo_dir) / f"{name}.hlo.txt").write_text(compiled.as_text())
     report = analyze(compiled, mesh)
     mem = report.memory
     a2a = report.select(kind="all-to-all", spans="data")
@@ -253,13 +289,18 @@ def experts_ragged_dot(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down):
 VARIANTS = ("grouped", "ragged_dot", "dense_loop")
 
 
-def micro(sizes, reps: int) -> list[dict]:
+def micro(sizes, reps: int, dtype: str = "float32") -> list[dict]:
+    """Part 2. Checked in float32 (at `highest` matmul precision off CPU, so that a GPU's TF32
+    default does not enter the check), timed in `dtype`."""
+    import contextlib
+
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jaxpar.model.moe import GROUP_BLOCK, experts_dropless
 
     dev = jax.devices()[0]
+    on_cpu = jax.default_backend() == "cpu"
     rows = []
     for n, d, e, k, f in sizes:
         keys = jax.random.split(jax.random.key(0), 6)
@@ -271,7 +312,9 @@ def micro(sizes, reps: int) -> list[dict]:
         wu = jax.random.normal(keys[3], (e, d, f), jnp.float32) * d ** -0.5
         wd = jax.random.normal(keys[4], (e, f, d), jnp.float32) * f ** -0.5
         ct = jax.random.normal(keys[5], (n, d), jnp.float32)
-        args = jax.device_put((x, experts.astype(jnp.int32), gates, wg, wu, wd, ct), dev)
+        args32 = jax.device_put((x, experts.astype(jnp.int32), gates, wg, wu, wd, ct), dev)
+        cast = (lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a)
+        args = args32 if dtype == "float32" else jax.tree.map(cast, args32)
 
         def fwd_bwd(fn):
             def loss(x, wg, wu, wd, experts, gates, ct):
@@ -294,16 +337,37 @@ def micro(sizes, reps: int) -> list[dict]:
         # GROUP_BLOCK, a scan over the blocks) and ragged_dot elsewhere.
         text = {name: fns[name].lower(*args).as_text() for name in ("grouped", "ragged_dot")}
         native = "ragged_dot" in text["ragged_dot"]
-        blockwise = "ragged_dot" not in text["grouped"] and jax.default_backend() == "cpu"
-        outs = {name: jax.block_until_ready(fn(*args)) for name, fn in fns.items()}  # compiles, and the check
+        blockwise = "ragged_dot" not in text["grouped"] and on_cpu
+        outs, failed = {}, {}
+        with contextlib.nullcontext() if on_cpu else jax.default_matmul_precision("highest"):
+            for name, fn in fns.items():  # the check
+                try:
+                    outs[name] = jax.block_until_ready(fn(*args32))
+                except jax.errors.JaxRuntimeError as err:  # e.g. out of device memory: recorded, not timed
+                    if on_cpu or "RESOURCE_EXHAUSTED" not in str(err):
+                        raise
+                    failed[name] = str(err).splitlines()[0][:300]
+                    print(f"{name} at N={n} D={d} E={e} k={k} F={f}: {failed[name]}", flush=True)
+        if failed:  # the size is recorded with what failed, and not timed
+            rows.append({"tokens": n, "d_model": d, "experts": e, "k": k, "expert_d_ff": f, "failed": failed})
+            continue
         ref = jax.tree.leaves(outs["dense_loop"])
-        max_err = {}
+        max_err, check_failed = {}, {}
         for name in ("grouped", "ragged_dot"):
             got = jax.tree.leaves(outs[name])
             for a, b in zip(got, ref):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4, err_msg=name)
+                try:
+                    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4, err_msg=name)
+                except AssertionError as err:
+                    if on_cpu:
+                        raise
+                    # Off CPU the time on the device is scarce: the mismatch is recorded and shown.
+                    check_failed[name] = str(err)[:2000]
+                    print(f"CHECK FAILED: {name} differs from dense_loop: {str(err)[:500]}", flush=True)
             max_err[name] = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, ref))
         del outs
+        for fn in fns.values():  # compile the timed dtype
+            jax.block_until_ready(fn(*args))
         times = {name: [] for name in fns}
         for r in range(reps):
             for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
@@ -317,7 +381,9 @@ def micro(sizes, reps: int) -> list[dict]:
         m = n * k
         b = min(GROUP_BLOCK, m)
         grouped_rows = (-(-m // b) + e) * b if blockwise else m
-        row = {"tokens": n, "d_model": d, "experts": e, "k": k, "expert_d_ff": f, "reps": reps,
+        row = {"tokens": n, "d_model": d, "experts": e, "k": k, "expert_d_ff": f, "reps": reps, "dtype": dtype,
+               "check_failed": check_failed,
+               "ideal_tflops_per_s": {name: 3 * m * 6 * d * f / med[name] / 1e12 for name in fns},
                "median_s": med, "times_s": times, "max_abs_diff_vs_dense_loop": max_err,
                "over_dense_loop": {name: med[name] / med["dense_loop"] for name in ("grouped", "ragged_dot")},
                "ragged_dot_over_grouped": med["ragged_dot"] / med["grouped"],
@@ -396,6 +462,51 @@ def markdown(rows: list[dict], micro_rows: list[dict], machine: dict, cfg, comma
     return text
 
 
+def markdown_gpu(rows: list[dict], micro_rows: list[dict], machine: dict, cfg, command: str) -> str:
+    head = ["case", "params total / active", "median step (ms)", "tokens/s", "model TFLOP/s (active)",
+            "MFU (active)", "argument GiB", "temp GiB"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            f"{r['case']} ({r['moe_shape']})", f"{r['params_total'] / 1e6:.0f}M / {r['params_active'] / 1e6:.0f}M",
+            f"{r['step_time_s']['median'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}",
+            f"{r['model_tflops_per_s']:.0f}", f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a",
+            f"{r['memory']['argument_bytes'] / 2**30:.2f}", f"{r['memory']['temp_bytes'] / 2**30:.2f}"]) + " |")
+    mdl = cfg.model
+    text = "\n".join(lines) + (
+        f"\n\nOne {machine['device_kind']}, mesh (1, 1, 1). Model: llama, {mdl.n_layers} layers, d_model "
+        f"{mdl.d_model}, {mdl.n_heads}/{mdl.n_kv_heads} heads, vocab {mdl.vocab_size}, seq_len {mdl.seq_len}, global "
+        f"batch {cfg.train.global_batch}, {mdl.dtype} compute, float32 parameters and AdamW, remat "
+        f"{cfg.parallel.remat}, attention {mdl.attention}; MoE dropless, softmax router. Model FLOPs per token "
+        "6·N_active + 12·L·d·S (`jaxpar.costs.model_flops_per_token`), MFU against the dense bf16 peak "
+        f"{rows[0]['peak_tflops']} TFLOP/s. Median of {rows[0]['steps']} steps after {rows[0]['warmup']} warmup, the "
+        "cases timed in turns. Memory: XLA's plan for the compiled step.\n")
+    if micro_rows:
+        text += ("\n| tokens | d_model | E | k | F | grouped fwd+bwd (ms) | ragged_dot (ms) | dense loop (ms) | "
+                 "grouped TFLOP/s (ideal FLOPs) | dense loop TFLOP/s (ideal FLOPs) | grouped / dense loop | "
+                 "float32 max abs diff |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+        for r in micro_rows:
+            if "failed" in r:
+                text += (f"| {r['tokens']} | {r['d_model']} | {r['experts']} | {r['k']} | {r['expert_d_ff']} | "
+                         f"failed: {'; '.join(f'{k}: {v}' for k, v in r['failed'].items())} |||||||\n")
+                continue
+            med, tf = r["median_s"], r["ideal_tflops_per_s"]
+            text += (f"| {r['tokens']} | {r['d_model']} | {r['experts']} | {r['k']} | {r['expert_d_ff']} | "
+                     f"{med['grouped'] * 1e3:.2f} | {med['ragged_dot'] * 1e3:.2f} | {med['dense_loop'] * 1e3:.2f} | "
+                     f"{tf['grouped']:.0f} | {tf['dense_loop']:.0f} | {r['over_dense_loop']['grouped']:.2f}× | "
+                     f"{max(r['max_abs_diff_vs_dense_loop'].values()):.1e}"
+                     f"{' (CHECK FAILED)' if r['check_failed'] else ''} |\n")
+        text += (f"\nJitted forward + backward (gradients of x and the three weight stacks) in "
+                 f"{micro_rows[0].get('dtype', '?')}, median of {micro_rows[0].get('reps', '?')} calls each, the three "
+                 f"alternated. `grouped` (jaxpar's) lowered as: {micro_rows[0].get('grouped_lowering', '?')}. TFLOP/s count the FLOPs a "
+                 "dropless MoE needs (tokens x k rows through three matmuls, forward and backward), for every "
+                 "variant: the dense loop runs E/k times more. The check against the dense loop ran in float32 at "
+                 "`highest` matmul precision.\n")
+    text += (f"\nMeasured {machine['date']}: {machine['device_kind']}, jax {machine['jax_version']}, "
+             f"{machine['cpu_count']} CPU cores ({machine['cpu_model']}).\n\nCommand: `{command}`\n")
+    return text
+
+
 def main(argv: list[str]) -> int:
     return guarded(run, parse_args(argv))
 
@@ -404,16 +515,23 @@ def run(args: argparse.Namespace) -> int:
     import jax
     from jaxpar.mesh import use_cpu_devices
 
-    jax.config.update("jax_platforms", "cpu")
-    cases = {n: (mesh, o) for n, mesh, o in CASES}
+    if not args.gpu:
+        jax.config.update("jax_platforms", "cpu")
+    cases = {n: (mesh, o) for n, mesh, o in (GPU_CASES if args.gpu else CASES)}
     cfgs = [(name, config(name, *cases[name], args)) for name in args.cases]  # every config checked first
-    use_cpu_devices(8)  # the pool for any program (the pipeline's collectives need it): the same for every case
+    if args.gpu:
+        if jax.default_backend() == "cpu":
+            print("error: --gpu found no GPU (JAX's backend is cpu); run without --gpu for simulated CPU devices",
+                  file=sys.stderr)
+            return 2
+    else:
+        use_cpu_devices(8)  # the pool for any program (the pipeline's collectives need it): the same for every case
     load = os.getloadavg()[0]
     t_start = time.perf_counter()
 
     rows, runs = [], []
     for name, cfg in cfgs:
-        r, run_ = measure(name, cfg)
+        r, run_ = measure(name, cfg, args.hlo_dir)
         rows.append(r)
         runs.append(run_)
         a = r["all_to_all_data"]
@@ -429,36 +547,58 @@ def run(args: argparse.Namespace) -> int:
                  step_time_s={"median": med, "min": min(res["wall"]), "max": max(res["wall"])},
                  cpu_s_per_step={"median": statistics.median(res["cpu"]), "mean": statistics.fmean(res["cpu"])},
                  tokens_per_step=tokens, tokens_per_s=tokens / med)
+        if args.gpu:
+            from jaxpar.costs import model_flops_per_token
+            from jaxpar.train.efficiency import known_peak_tflops
+
+            m = cfg.model
+            peak = args.peak_tflops or known_peak_tflops(jax.devices()[0].device_kind, m.dtype)
+            tflops = model_flops_per_token(cfg) * tokens / med / 1e12
+            r.update(moe_shape=(f"{m.n_experts} x {m.expert_d_ff}, top-{m.experts_per_token}" if m.moe
+                                else f"dense d_ff {m.d_ff}"),
+                     model_flops_per_token=model_flops_per_token(cfg), model_tflops_per_s=tflops,
+                     peak_tflops=peak, mfu=tflops / peak if peak else None)
         print(f"{cfg_name}: median {med * 1e3:.1f} ms, {tokens / med:,.0f} tokens/s, CPU "
-              f"{r['cpu_s_per_step']['median']:.2f} s/step, loss {res['loss']:.4f}", flush=True)
+              f"{r['cpu_s_per_step']['median']:.2f} s/step, loss {res['loss']:.4f}"
+              + (f", {r['model_tflops_per_s']:.0f} model TFLOP/s, MFU {r['mfu']:.1%}" if r.get("mfu") else ""),
+              flush=True)
     load_after = os.getloadavg()[0]
 
-    micro_rows = [] if args.no_micro else micro(MICRO_QUICK if args.quick else MICRO, args.micro_reps)
+    def write(micro_rows: list[dict]) -> None:
+        """The JSON and Markdown of what is measured so far (after each part: a device's time is scarce)."""
+        machine = {**machine_info(), "pjrt_nproc": os.environ.get("PJRT_NPROC", "XLA default"),
+                   "load_avg_1m_at_start": round(load, 2), "load_avg_1m_before_timing": round(load_timing, 2),
+                   "load_avg_1m_after_timing": round(load_after, 2),
+                   "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}
+        command = " ".join(["python", "benchmarks/moe.py"] + sys.argv[1:])
+        result = {
+            "benchmark": "moe", "date": machine["date"], "command": command, "machine": machine,
+            "wall_s": time.perf_counter() - t_start,
+            "config": {name: cfg.to_dict() for name, cfg in cfgs},
+            "timing": ("cases timed in turns, one step of each per round, order reversed every other round; each "
+                       "step timed alone, dispatch to jax.block_until_ready on the new state and metrics; batches "
+                       "prebuilt; CPU seconds: resource.getrusage(RUSAGE_SELF) user + sys over the same interval; "
+                       "compile_s is AOT lower+compile of the step; load averages: other work on the cores "
+                       "(2 cores: 2.0 = busy)"),
+            "rows": rows, "micro": micro_rows,
+        }
+        table = (markdown_gpu(rows, micro_rows, machine, cfgs[0][1], command) if args.gpu
+                 else markdown(rows, micro_rows, machine, cfgs[0][1], command, args))
+        print(table)
+        if args.out:
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+            out.with_suffix(".md").write_text(f"# Mixture of experts ({machine['platform']})\n\n" + table)
+            print(f"-> {out}, {out.with_suffix('.md')}")
 
-    machine = {**machine_info(), "pjrt_nproc": os.environ.get("PJRT_NPROC", "XLA default"),
-               "load_avg_1m_at_start": round(load, 2), "load_avg_1m_before_timing": round(load_timing, 2),
-               "load_avg_1m_after_timing": round(load_after, 2),
-               "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}
-    command = " ".join(["python", "benchmarks/moe.py"] + sys.argv[1:])
-    result = {
-        "benchmark": "moe", "date": machine["date"], "command": command, "machine": machine,
-        "wall_s": time.perf_counter() - t_start,
-        "config": {name: cfg.to_dict() for name, cfg in cfgs},
-        "timing": ("cases timed in turns, one step of each per round, order reversed every other round; each "
-                   "step timed alone, dispatch to jax.block_until_ready on the new state and metrics; batches "
-                   "prebuilt; CPU seconds: resource.getrusage(RUSAGE_SELF) user + sys over the same interval; "
-                   "compile_s is AOT lower+compile of the step; load averages: other work on the cores "
-                   "(2 cores: 2.0 = busy)"),
-        "rows": rows, "micro": micro_rows,
-    }
-    table = markdown(rows, micro_rows, machine, cfgs[0][1], command, args)
-    print(table)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        out.with_suffix(".md").write_text(f"# Mixture of experts ({machine['platform']})\n\n" + table)
-        print(f"-> {out}, {out.with_suffix('.md')}")
+    if args.no_micro:
+        write([])
+        return 0
+    if args.gpu:
+        write([])
+    sizes = MICRO_QUICK if args.quick else GPU_MICRO if args.gpu else MICRO
+    write(micro(sizes, args.micro_reps, "bfloat16" if args.gpu else "float32"))
     return 0
 
 
