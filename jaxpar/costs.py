@@ -25,7 +25,7 @@ from jaxpar.costs_activations import _activations, _offloaded, _tap_width, saved
 from jaxpar import costs_moe
 from jaxpar.model.layers import flash_attention_applies
 from jaxpar.mesh import AXES, check_sizes
-from jaxpar.parallel.gradients import reduce_at_use
+from jaxpar.parallel.gradients import reduction, zero3_gathers
 from jaxpar.parallel.stages import chunk_model, valid_stage_layout
 from jaxpar.parallel.zero import make_layout, state_bytes
 from jaxpar.plan_presets import Hardware
@@ -246,7 +246,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     # Remat `offload` (refused under a pipeline): the layer scan's saved matmul outputs on the host.
     host = _offloaded(m_act, rows, t, sp, par.remat, flash, platform) if p == 1 else 0
     if p == 1:
-        if zero == 3 or (zero in (1, 2) and d > 1 and reduce_at_use(cfg, zero)):
+        if zero == 3 or (zero in (1, 2) and reduction(cfg, d, p).at_use):
             # Reduce-scattered where each layer's gradient arises: the data shards, plus one
             # layer's full gradient in flight (ZeRO-1/2; ZeRO-3's is counted with its gathers).
             # (Expert-parallel experts are never reduced over data: not in flight.)
@@ -372,6 +372,7 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     st = model_state(cfg, shape)
     itemsize, act_size = _BYTES[m.param_dtype], _BYTES[m.dtype]
     micro, zero = par.microbatches, par.zero
+    red = reduction(cfg, d, p)  # where the step reduces and gathers (the executors read the same)
     rows = cfg.train.global_batch // (d * micro)
     sp = par.sequence_parallel and t > 1
     # With master weights gradients are reduced in float32, and what ZeRO-3 gathers is the float32
@@ -383,7 +384,7 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     if d > 1 and p == 1:
         if zero == 3:
             shared = st["sharded"] - st["blocks_sharded"]
-            if _gather_per_step(cfg, p):
+            if red.gather == "step":
                 # zero3_gather: step: every shard gathered once before the microbatch loop and
                 # kept for the step.
                 out.append(Collective("all-gather", ("data",), st["sharded"] * gb, 1, overlap=True))
@@ -401,7 +402,7 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
         else:
             # At use (one microbatch, or ZeRO-2 per microbatch): per layer in the backward scan,
             # once per microbatch; else once after the accumulation loop.
-            in_scan = reduce_at_use(cfg, zero)
+            in_scan = red.at_use
             runs = micro if in_scan else 1
             if zero >= 1:
                 out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d * gb, runs, overlap=in_scan))
@@ -422,7 +423,7 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
         shared = st["local"] - st["blocks"]
         # Float32 accumulators reduced once after the tick loop: blocks over data, the shared
         # leaves (embeddings, head; used by the end stages) over data and stage.
-        if d > 1 and zero == 2 and par.zero2_reduce == "microbatch":
+        if zero == 2 and red.at_use:
             # Reduce-scattered by every B where its seed is transposed (per microbatch).
             out.append(Collective("reduce-scatter", ("data",), st["blocks_sharded"] / d, micro, overlap=True))
             if st["blocks"] - ep > st["blocks_sharded"]:
@@ -479,11 +480,9 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
 
 
 def _gather_per_step(cfg: Config, p: int) -> bool:
-    """ZeRO-3 with `parallel.zero3_gather: step` and several microbatches (or a pipeline): every
-    shard is gathered once per step, before the microbatch or tick loop, and kept for the step
-    (parallel/gradients.py, parallel/pipeline.py; DESIGN.md §4 rows 5 and 8)."""
-    par = cfg.parallel
-    return par.zero == 3 and par.zero3_gather == "step" and (par.microbatches > 1 or p > 1)
+    """ZeRO-3 gathering every shard once per step, before the microbatch or tick loop
+    (`jaxpar.parallel.gradients.zero3_gathers`, the executors' rule; DESIGN.md §4 rows 5 and 8)."""
+    return cfg.parallel.zero == 3 and zero3_gathers(cfg, p) == "step"
 
 
 def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int, p: int, d: int) -> list[Collective]:

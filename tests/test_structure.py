@@ -38,3 +38,48 @@ def test_memory_report_counts_replicated_state(tiny):
     batch_bytes = cfg.train.global_batch // 8 * (cfg.model.seq_len + 1) * 4
     # Arguments: params + two Adam moments (3 x psi bytes), the step counters, the batch shard.
     assert 3 * psi_bytes + batch_bytes <= report.memory.argument_bytes <= 3 * psi_bytes + batch_bytes + 64
+
+
+# (mesh (data, stage, model), ZeRO stage, microbatches, other parallel keys)
+REDUCTION_CASES = [
+    ((8, 1, 1), 0, 1, {}),
+    ((8, 1, 1), 1, 1, {}),
+    ((8, 1, 1), 1, 2, {}),
+    ((8, 1, 1), 2, 2, {"zero2_reduce": "microbatch"}),
+    ((8, 1, 1), 2, 2, {"zero2_reduce": "step"}),
+    ((8, 1, 1), 3, 2, {"zero3_gather": "microbatch"}),
+    ((8, 1, 1), 3, 2, {"zero3_gather": "step"}),
+    ((4, 2, 1), 1, 2, {}),
+    ((4, 2, 1), 2, 2, {"zero2_reduce": "microbatch"}),
+    ((4, 2, 1), 3, 2, {"zero3_gather": "microbatch"}),
+]
+
+
+@pytest.mark.parametrize("mesh,zero,micro,extra", REDUCTION_CASES,
+                         ids=[f"{'x'.join(map(str, c[0]))}-zero{c[1]}-m{c[2]}-{'-'.join(c[3].values()) or 'default'}"
+                              for c in REDUCTION_CASES])
+def test_reduction_describes_the_compiled_step(tiny, mesh, zero, micro, extra):
+    """`gradients.reduction` — the one description of the data-axis policy that the executors, the
+    planner and the CLI read — says what the compiled step does: gradients reduced where used
+    (`at_use`) have their reductions over `data` inside the step's loops (the layer scan, the
+    microbatch or tick loop), the others only after them; ZeRO-3's gathers sit inside the loops
+    where it gathers at use and outside them where it gathers once per step. The CLI's sentence
+    says which."""
+    from jaxpar.parallel.gradients import reduction
+
+    d, p, t = mesh
+    cfg = tiny(mesh={"data": d, "stage": p, "model": t}, train={"global_batch": 16},
+               parallel={"zero": zero, "microbatches": micro, "zero_min_elements": 1, **extra})
+    red = reduction(cfg, d, p)
+    compiled, mesh_ = lower_step(cfg)
+    report = analyze(compiled, mesh_)
+    # Gradient reductions over data (scalars such as the loss's partial sums left out).
+    grads = [c for c in report.select(spans="data") if c.kind in ("all-reduce", "reduce-scatter") and c.bytes > 64]
+    assert grads
+    assert any(c.in_loop for c in grads) == red.at_use, [(c.kind, c.bytes, c.in_loop) for c in grads]
+    if red.gather:
+        gathers = [c for c in report.select(spans="data", kind="all-gather") if c.bytes > 64]
+        assert gathers and any(c.in_loop for c in gathers) == (red.gather == "use")
+    text = red.describe()
+    assert ("once after" in text) == (not red.at_use), text
+    assert ("reduce-scattered" in text) == (zero >= 1), text

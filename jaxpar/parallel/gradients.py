@@ -24,6 +24,7 @@ Where each gradient is reduced (DESIGN.md decision 5):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -124,15 +125,70 @@ def manual_region(cfg: Config, mesh: Mesh, *always: str) -> tuple[set[str], Rule
     return manual, compute_rules(cfg, mesh).without(tuple(manual)), tp
 
 
-def reduce_at_use(cfg: Config, zero: int) -> bool:
-    """Is every gradient reduced over `data` where its parameter is used (per layer, inside the
-    backward layer scan, and per microbatch), rather than accumulated and reduced after the loop?"""
-    m = cfg.parallel.microbatches
-    if zero == 3:
-        return m == 1 or cfg.parallel.zero3_gather == "microbatch"
-    if zero == 2:
-        return m == 1 or cfg.parallel.zero2_reduce == "microbatch"
-    return m == 1
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """Where a step reduces its gradients over `data` and gathers ZeRO-3's parameters, for one
+    config on one mesh: the one description that both executors (`make_loss_and_grads`,
+    `jaxpar.parallel.pipeline`), the planner (`jaxpar.costs`), the master-weight upcast
+    (`jaxpar.train.optim.upcast_at_use`) and the CLI summary (`describe`) read. `reduction(...)`
+    builds it; DESIGN.md decision 5 gives the reasons."""
+
+    data: int          # data shards
+    zero: int          # the ZeRO stage in effect (0 on one data shard: nothing is sharded)
+    pipeline: bool     # stage > 1: the tick loop's executor
+    microbatches: int
+    gather: str | None
+    """ZeRO-3's all-gathers: `use` (each layer's shards where the layer runs, forward and backward,
+    every microbatch; the gather's transpose reduce-scatters the gradient there), `step` (every
+    shard once before the microbatch or tick loop, kept for the step), None (no ZeRO-3)."""
+    at_use: bool
+    """Is every gradient reduced where its parameter is used (per layer inside the backward pass,
+    once per microbatch), rather than accumulated unreduced in float32 and reduced once after the
+    loop? ZeRO-1/2 reduce-scatter there through a zero seed (`Handout`), ZeRO-0 all-reduces
+    through the data-varying cast's transpose, ZeRO-3 through its gather's."""
+
+    @property
+    def dp(self) -> bool:
+        return self.data > 1
+
+    def describe(self) -> str:
+        """The policy in words (the CLI's `gradients:` line)."""
+        m, loop = self.microbatches, "tick loop" if self.pipeline else f"{self.microbatches} microbatch(es)"
+        if not self.dp:
+            return "one data shard: nothing reduced over data"
+        op = "reduce-scattered" if self.zero >= 1 else "all-reduced"
+        mb = f" in each of {m} microbatches" if m > 1 else ""
+        where = "in each B of the tick loop" if self.pipeline else f"inside the backward layer scan{mb}"
+        if self.gather == "use":
+            return f"ZeRO-3: parameters all-gathered per layer where used; gradients reduce-scattered there, {where}"
+        if self.at_use:
+            return f"{op} per layer where each parameter is used, {where}"
+        prefix = "ZeRO-3: parameters all-gathered once per step; " if self.gather == "step" else ""
+        return (f"{prefix}accumulated unreduced in float32 over {'the ' if self.pipeline else ''}{loop}, "
+                f"{op} over data once after {'it' if self.pipeline else 'them'}")
+
+
+def reduction(cfg: Config, data: int, stage: int) -> Reduction:
+    """The `Reduction` of `cfg` on a mesh of `data` x `stage` (x any model) devices."""
+    par, m = cfg.parallel, cfg.parallel.microbatches
+    zero = par.zero if data > 1 else 0
+    pipeline = stage > 1
+    gather = zero3_gathers(cfg, stage) if zero == 3 else None
+    at_use = data > 1 and (gather == "use" or (zero == 2 and par.zero2_reduce == "microbatch")
+                           or (zero in (0, 1, 2) and m == 1 and not pipeline))
+    return Reduction(data=data, zero=zero, pipeline=pipeline, microbatches=m, gather=gather, at_use=at_use)
+
+
+def zero3_gathers(cfg: Config, stage: int) -> str:
+    """Where ZeRO-3 gathers its shards (`Reduction.gather`): once per step (`step`) where
+    `parallel.zero3_gather: step` and the step loops (microbatches or a pipeline), else at each use."""
+    par = cfg.parallel
+    return "step" if par.zero3_gather == "step" and (par.microbatches > 1 or stage > 1) else "use"
+
+
+def describe_reduction(cfg: Config, data: int, stage: int) -> str:
+    """Where the data-axis gradient reduction happens for `cfg` on this mesh, in words (the CLI)."""
+    return reduction(cfg, data, stage).describe()
 
 
 def _seed(x: jax.Array, dim: int, data: int, dtype=None) -> jax.Array:
@@ -157,7 +213,7 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     n_tokens = cfg.train.global_batch * cfg.model.seq_len
     dp = d > 1
     manual, rules, tp = manual_region(cfg, mesh)
-    at_use = dp and reduce_at_use(cfg, zero)
+    at_use = reduction(cfg, d, 1).at_use
     master = cfg.train.master_weights != "none"
     # Otherwise no hook: `use_params` still hands matrices out in the compute dtype (`recast`).
     param_fn = hand_out(layout, upcast=master) if at_use else None
@@ -224,25 +280,3 @@ def _reduce(g: jax.Array, dim: int | None) -> jax.Array:
     if dim is None:
         return jax.lax.psum(g, DATA)
     return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
-
-
-def describe_reduction(cfg: Config) -> str:
-    """Where the data-axis gradient reduction happens for this config, in words (for the CLI)."""
-    zero, m, gather = cfg.parallel.zero, cfg.parallel.microbatches, cfg.parallel.zero3_gather
-    if cfg.mesh.stage != 1:
-        if zero == 3 and gather == "microbatch":
-            return (f"pipeline, ZeRO-3: parameters all-gathered per layer in every forward and backward of "
-                    f"{m} microbatches; gradients reduce-scattered there")
-        prefix = "ZeRO-3: parameters all-gathered once before the tick loop; " if zero == 3 else ""
-        return (f"pipeline: {prefix}accumulated in float32 over {m} microbatches, "
-                f"{'reduce-scattered' if zero >= 2 else 'all-reduced'} over data once after the tick loop")
-    if zero == 3 and m > 1 and gather == "step":
-        return (f"ZeRO-3: parameters all-gathered once per step; gradients accumulated over {m} microbatches "
-                "and reduce-scattered once after them")
-    if zero == 3:
-        return "ZeRO-3: parameters all-gathered per layer where used; gradients reduce-scattered there" + (
-            f", once per microbatch ({m})" if m > 1 else "")
-    if zero in (0, 1) and m == 1:
-        return "all-reduce per layer inside the backward layer scan"
-    return ("reduce-scatter" if zero == 2 else "all-reduce") + f" once per step, after {m} microbatch(es)"
-

@@ -5,7 +5,9 @@ the canonical `[layers, ...]` parameters, whose `layers` dim the storage rules a
 `stage`). Uneven stages and a mixed model's dense first layers run as layer slots
 (`jaxpar.parallel.stages`): the stacks are then stored with `stage` on another dim, one all-to-all
 hands each stage its slots (`_to_slots`) and an unfilled slot is skipped. The executor is a `lax.scan` over the table's ticks inside one shard_map manual over
-`stage` (and over `data` and `model` where they have more than one shard). In each tick every
+`stage` (and over `data` and `model` where they have more than one shard): `Setup` holds what
+every stage knows before tracing, `_stage_step` is one stage's step, `StageRun.tick` the scan
+body over a `Carry`, and `StageRun.forward` / `backward` / `weight_grads` its actions. In each tick every
 stage looks up its actions: F runs its chunk forward under `jax.vjp` on a received activation
 (the first stage embeds the microbatch's tokens; the last adds the head, the loss and their
 backward) and stashes the residuals the remat policy keeps; B rebuilds the pullback from the
@@ -53,7 +55,7 @@ from jaxpar.config import Config
 from jaxpar.model.layers import split_backward, weight_gradient
 from jaxpar.parallel.stages import chunk_model, stage_layout
 from jaxpar.parallel.zero import Layout
-from jaxpar.parallel.gradients import _seed, gather_at_use, hand_out, manual_region
+from jaxpar.parallel.gradients import Reduction, _seed, gather_at_use, hand_out, manual_region, reduction
 from jaxpar.sharding import Handout, activation_rules, aval_varying_axes, vary, varying_axes, zeros_like_varying
 
 DATA, STAGE, MODEL = "data", "stage", "model"
@@ -105,6 +107,55 @@ def table_of(schedule) -> Table:
                  bwd_slots=counts["bwd"], wstash=counts["wstash"], split=schedule.split)
 
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every stage knows before it traces anything: the config, the mesh's sizes and the
+    policies derived from them. Built once per step function by `make_pipeline_loss_and_grads`."""
+
+    cfg: Config
+    layout: Layout
+    table: Table
+    loss_sum: Callable
+    poison_idle: bool
+    p: int              # stages
+    v: int              # chunks per stage
+    t: int              # model (tensor-parallel) shards
+    d: int              # data shards
+    m: int              # microbatches
+    slots: object       # `jaxpar.parallel.stages.StageLayout`: the layer slots of every chunk
+    chunk_cfg: object   # the model of one chunk (`stages.chunk_model`)
+    n_tokens: int       # tokens of the global batch: the loss's one divisor
+    sp: bool            # sequence parallelism on
+    data_axes: tuple    # ("data",) where data has more than one shard, else ()
+    zero: int           # the ZeRO stage in effect (0 on one data shard)
+    reduction: Reduction  # where gradients are reduced and ZeRO-3's shards gathered (gradients.reduction)
+    fwd_pairs: tuple    # ppermute pairs of the forward hop (interleaved: round the ring)
+    bwd_pairs: tuple
+
+    @property
+    def dp(self) -> bool:
+        return bool(self.data_axes)
+
+    @property
+    def gather(self) -> str | None:
+        return self.reduction.gather
+
+    @property
+    def scatter_mb(self) -> bool:
+        """ZeRO-2 reduce-scatters in every B, where its seed is transposed (per microbatch)."""
+        return self.zero == 2 and self.reduction.at_use
+
+    def reduce_data(self, g: jax.Array, dim: int | None) -> jax.Array:
+        """The data-axis reduction after the loop of one gradient whose ZeRO dim is `dim`."""
+        if not self.dp:
+            return g
+        if dim is None or self.zero < 1:
+            return jax.lax.psum(g, DATA)
+        if self.reduction.at_use:
+            return g  # reduce-scattered per microbatch, where its gather (or its seed) was transposed
+        return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+
+
 def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table: Table,
                                  loss_sum: Callable, *, poison_idle: bool = False) -> Callable:
     """`(params, batch) -> (loss, grads)` of the global batch through the pipeline.
@@ -116,332 +167,28 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     p, t = mesh.shape[STAGE], mesh.shape[MODEL]
     v = table.chunks
     dp = mesh.shape[DATA] > 1
-    m = cfg.parallel.microbatches
     # Every chunk runs the same slots per stack; a slot that holds none of its layers is skipped
     # and receives no gradient (`jaxpar.parallel.stages`: uneven stages, dense first layers).
     slots = stage_layout(cfg.model, p, v, cfg.parallel.stage_layers)
     chunk_cfg = chunk_model(cfg.model, slots)
     model.param_names(chunk_cfg)  # build (and cache) the chunk model's abstract state outside any mesh context
-    n_tokens = cfg.train.global_batch * cfg.model.seq_len
-    sp = cfg.parallel.sequence_parallel and t > 1
-    manual, rules, tp = manual_region(cfg, mesh, STAGE)
-    remat = cfg.parallel.remat
-    data_axes = (DATA,) if dp else ()
     zero = layout.zero if dp else 0  # on one data shard nothing is sharded
-    gather = cfg.parallel.zero3_gather if zero == 3 else None
-    # ZeRO-2, per microbatch: every B reduce-scatters its sharded gradients where they arise (a
-    # seed per leaf, `jaxpar.parallel.gradients.Handout`), and the accumulator holds shards only.
-    scatter_mb = zero == 2 and cfg.parallel.zero2_reduce == "microbatch"
-    d = mesh.shape[DATA]
+    setup = Setup(
+        cfg=cfg, layout=layout, table=table, loss_sum=loss_sum, poison_idle=poison_idle, p=p, v=v, t=t,
+        d=mesh.shape[DATA], m=cfg.parallel.microbatches, slots=slots, chunk_cfg=chunk_cfg,
+        n_tokens=cfg.train.global_batch * cfg.model.seq_len, sp=cfg.parallel.sequence_parallel and t > 1,
+        data_axes=(DATA,) if dp else (), zero=zero,
+        # ZeRO-2, per microbatch: every B reduce-scatters its sharded gradients where they arise (a
+        # seed per leaf, `jaxpar.parallel.gradients.Handout`), and the accumulator holds shards only.
+        reduction=reduction(cfg, mesh.shape[DATA], p),
+        # Interleaved chunks travel round the ring (the last stage's chunk k feeds stage 0's chunk k+1).
+        fwd_pairs=tuple((i, (i + 1) % p) for i in range(p if v > 1 else p - 1)),
+        bwd_pairs=tuple(((i + 1) % p, i) for i in range(p if v > 1 else p - 1)))
+    manual, rules, tp = manual_region(cfg, mesh, STAGE)
     names = model.param_names(cfg.model)
-    # Interleaved chunks travel round the ring (the last stage's chunk k feeds stage 0's chunk k+1).
-    fwd_pairs = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
-    bwd_pairs = [((i + 1) % p, i) for i in range(p if v > 1 else p - 1)]
-
-    def chunk_forward(blocks, shared, x_in, tokens, first, k):
-        # Only the first chunk embeds (a cond, not a select: under tensor parallelism the lookup
-        # ends in a collective, under ZeRO-3 the embedding's gather, that the other stages must
-        # not pay for). The shared parameters are bound inside the branch for that reason.
-        x = jax.lax.cond(first, lambda: model.bind(chunk_cfg, shared).embed_tokens(tokens), lambda: x_in)
-        active = None
-        if slots.gather:  # this (stage, local chunk)'s active slots, per stack
-            active = {kind: jnp.asarray(a)[jax.lax.axis_index(STAGE), k] for kind, a in slots.active.items()}
-        return model.bind(chunk_cfg, {"blocks": blocks}).backbone(x, remat=remat, active=active)
-
-    def reduce_data(g, dim):
-        """The data-axis reduction after the loop of one gradient whose ZeRO dim is `dim`."""
-        if not dp:
-            return g
-        if dim is None or zero < 1:
-            return jax.lax.psum(g, DATA)
-        if gather == "microbatch" or scatter_mb:
-            return g  # reduce-scattered per microbatch, where its gather (or its seed) was transposed
-        return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
 
     def local(params, batch):
-        stage = jax.lax.axis_index(STAGE)
-        if slots.gather:  # this stage's chunks' layer slots, from the stacks stored over `stage` otherwise
-            params = {**params, "blocks": _by_kind(slots, params["blocks"], layout.stage_dims["blocks"],
-                                                   lambda w, kind, sd: _to_slots(w, sd, slots.slots[kind], p, stage))}
-        # The shared leaves (embeddings, final norm, head) are stored sharded over `stage` where
-        # they are large (`Layout.stage_dims`): gathered here, for the step.
-        params = {k: w if k == "blocks" else jax.tree.map(_gather_stage, w, layout.stage_dims[k],
-                                                             is_leaf=lambda x: x is None or isinstance(x, int))
-                  for k, w in params.items()}
-        param_fn = (_gather_at_use(params, names, layout.zero_dims) if gather == "microbatch"
-                    else hand_out(layout) if scatter_mb else None)
-        if gather == "step":  # every sharded leaf once per step, kept for the step
-            params = jax.tree.map(_gather, params, layout.zero_dims)
-        # This stage's v chunks, [v, layers per chunk, ...] (the blocks arrive in pipeline order).
-        blocks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), params["blocks"])
-        shared = {k: w for k, w in params.items() if k != "blocks"}
-        # Unreduced inside the loop: blocks vary over `data`; shared parameters over `data` and
-        # `stage` too (only the end stages use them); both are reduced once after the loop.
-        # (ZeRO-3's shards, and what was gathered from them, vary over `data` already.)
-        blocks = jax.tree.map(lambda w: vary(w, data_axes), blocks)
-        shared = jax.tree.map(lambda w: vary(w, (*data_axes, STAGE)), shared)
-        micro = batch.reshape(m, batch.shape[0] // m, *batch.shape[1:])
-        b, seq = micro.shape[1], micro.shape[2] - 1
-        act_shape = (b, seq // t if sp else seq, cfg.model.d_model)
-        act_axes = (*data_axes, STAGE, *((MODEL,) if sp else ()))
-
-        def zeros(shape, dtype=cfg.model.dtype, axes=act_axes):  # varies over the manual axes its contents vary on
-            return jax.lax.pcast(jnp.zeros(shape, dtype), axes, to="varying") if axes else jnp.zeros(shape, dtype)
-
-        def chunk_params(k):
-            return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, k, 0, keepdims=False), blocks)
-
-        # What is differentiated: the parameters, or (ZeRO-2 per microbatch) the seeds of the
-        # sharded ones, each handed to the model beside its parameter.
-        block_mask = jax.tree.map(lambda dim: scatter_mb and dim is not None, layout.zero_dims["blocks"],
-                                  is_leaf=lambda x: x is None or isinstance(x, int))
-        shared_mask = {k: jax.tree.map(lambda dim: scatter_mb and dim is not None, layout.zero_dims[k],
-                                       is_leaf=lambda x: x is None or isinstance(x, int)) for k in shared}
-        block_dims = layout.zero_dims["blocks"]
-        shared_dims = {k: layout.zero_dims[k] for k in shared}
-
-        def diff_blocks(full_bl):  # one chunk: [layers per chunk, ...]; its zero dim is the stacked one's
-            return jax.tree.map(lambda w, dim, s: _seed(w, dim, d) if s else w, full_bl, block_dims, block_mask)
-
-        def diff_shared():
-            return jax.tree.map(lambda w, dim, s: _seed(w, dim, d) if s else w, shared, shared_dims, shared_mask)
-
-        def handed(diff, full, mask):
-            return jax.tree.map(lambda dd, w, s: Handout(w, dd) if s else dd, diff, full, mask)
-
-        def ends(k):  # does this (stage, local chunk) hold the first / the last chunk of the model?
-            return (stage == 0) & (k == 0), (stage == p - 1) & (k == v - 1)
-
-        # Block leaves as a flat dict keyed by their path (the split backward's taps are keyed so).
-        block_def = jax.tree.structure(jax.tree.map(lambda w: w[0], blocks))
-        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(jax.tree.map(lambda w: w[0], blocks))]
-        flat = lambda tree: dict(zip(paths, jax.tree.leaves(tree)))  # noqa: E731
-        # The layers of a chunk in each leaf's stack (a mixed model's dense and MoE stacks differ).
-        chunk_layers = {k_: w.shape[0] for k_, w in flat(jax.tree.map(lambda w: w[0], blocks)).items()}
-        unflat = lambda d: jax.tree.unflatten(block_def, [d[k] for k in paths])  # noqa: E731
-        dim_of = flat(jax.tree.map(lambda dim: -1 if dim is None else dim, block_dims,
-                                   is_leaf=lambda x: x is None or isinstance(x, int)))
-        scatter_at_w = scatter_mb or gather == "microbatch"  # W reduce-scatters a sharded weight's gradient
-
-        # F saves what B needs: the residuals of the chunk's `jax.vjp` (what the remat policy
-        # keeps), less the parameters among them (B takes those from the parameters themselves,
-        # so the stash holds activations only). `residuals` is fixed by the first trace of F.
-        # With a split table the weight matmuls are not differentiated: they take taps, whose
-        # cotangents (input, output cotangent) I saves for W (`jaxpar.model.layers.split_backward`).
-        residuals, taps = {}, {}
-
-        def zero_taps():
-            return {k: (zeros((chunk_layers[k], *xs), xd, ax), zeros((chunk_layers[k], *gs), gd, ax))
-                    for k, (xs, xd, gs, gd, ax, _) in taps.items()}
-
-        def linearize(x_in, mb, k):
-            tokens = micro[mb, :, :-1]
-            full_bl = chunk_params(k)
-            diff, sh = flat(diff_blocks(full_bl)), diff_shared()
-            fixed = {p_: w for p_, w in diff.items() if p_ in taps}
-            rest = {p_: w for p_, w in diff.items() if p_ not in taps}
-
-            def f(rest, sh, x, tap_in):
-                bl = handed(unflat({**fixed, **rest}), full_bl, block_mask)
-                with split_backward(tap_in) if table.split else contextlib.nullcontext():
-                    return chunk_forward(bl, handed(sh, shared, shared_mask), x, tokens, ends(k)[0], k)
-
-            y, pullback = jax.vjp(f, rest, sh, x_in, zero_taps() if table.split else None)
-            leaves, treedef = jax.tree.flatten(pullback)
-            # Each residual is a parameter ("p", its index among the inputs) or an activation
-            # ("s", its stash leaf), stashed once however many times the pullback refers to it
-            # (e.g. one layer input saved by the q, k and v matmuls).
-            known = {id(w): i for i, w in enumerate(_param_leaves(full_bl, diff, shared, sh))}
-            stashed, where = {}, []
-            for r in leaves:
-                if id(r) in known:
-                    where.append(("p", known[id(r)]))
-                else:
-                    where.append(("s", stashed.setdefault(id(r), (len(stashed), r))[0]))
-            where = tuple(where)
-            # Each trace of the tick traces F before B, which unflattens this trace's structure.
-            if residuals and where != residuals["where"]:
-                raise AssertionError("the chunk's residuals differ between traces of F")
-            residuals.update(treedef=treedef, where=where)
-            return y, tuple(r for _, r in stashed.values())
-
-        def forward(x_in, mb, k):
-            """F: the chunk's output, its residuals, and on the last chunk the loss and its
-            backward through the head (the chunk output's cotangent, the head's gradients)."""
-            y, saved = linearize(x_in, mb, k)
-            targets = micro[mb, :, 1:]
-
-            def head():
-                sh = diff_shared()
-                loss, pull = jax.vjp(lambda sh, y: loss_sum(model.bind(chunk_cfg, handed(sh, shared, shared_mask)).head(y),
-                                                            targets) / n_tokens, sh, y)
-                dsh, dy = pull(jnp.ones_like(loss))
-                return loss, dsh, dy
-
-            def no_head():
-                return (zeros((), jnp.float32, (*data_axes, STAGE)), jax.tree.map(zeros_like_varying, diff_shared()),
-                        zeros_like_varying(y))
-
-            loss, dsh, dy = jax.lax.cond(ends(k)[1], head, no_head)
-            return y, (*saved, dy), dsh, loss
-
-        def backward(saved, cot, k):
-            """B, or I with a split table: the chunk's gradients from what F saved (no second
-            forward): (parameter gradients but the tapped weights', shared ones', input's, taps')."""
-            *saved, dy = saved
-            full_bl = chunk_params(k)
-            inputs = _param_leaves(full_bl, flat(diff_blocks(full_bl)), shared, diff_shared())
-            leaves = [inputs[i] if kind == "p" else saved[i] for kind, i in residuals["where"]]
-            pullback = jax.tree.unflatten(residuals["treedef"], leaves)
-            d_rest, dsh, dx, d_taps = pullback(jnp.where(ends(k)[1], dy, cot))
-            return d_rest, dsh, dx, d_taps
-
-        def weight_grads(d_taps):
-            """W: each tapped weight's gradient x^T g, reduce-scattered where ZeRO reduces per
-            microbatch (float32, as the reduction at use would)."""
-            out = {}
-            for k_, (x2, g2) in d_taps.items():
-                dw = weight_gradient(x2, g2).reshape(chunk_layers[k_], *taps[k_][5]).astype(jnp.float32)
-                # A weight the matmul made varying (e.g. kv heads replicated over `model` under
-                # tensor parallelism): summed over those axes, as the cast's transpose would.
-                extra = tuple(a for a in varying_axes(dw) if a not in acc_axes[k_])
-                if extra:
-                    dw = jax.lax.psum(dw, extra)
-                if scatter_at_w and dp and dim_of[k_] >= 0 and (gather == "microbatch" or block_mask_flat[k_]):
-                    dw = jax.lax.psum_scatter(dw, DATA, scatter_dimension=dim_of[k_], tiled=True)
-                out[k_] = dw
-            return out
-
-        block_mask_flat = flat(block_mask)
-        acc_axes = {k_: (*data_axes, *varying_axes(w)) for k_, w in flat(jax.tree.map(lambda w: w[0], blocks)).items()}
-
-        def add(acc, grads, k):
-            return {**acc, **{k_: acc[k_].at[k].add(g.astype(jnp.float32)) for k_, g in grads.items()}}
-
-        def tick(carry: Carry, row):
-            fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc = carry
-            fv, fmb, fk = row["f_valid"][stage], row["f_mb"][stage], row["f_chunk"][stage]
-            bv, iv, wv = row["b_valid"][stage], row["i_valid"][stage], row["w_valid"][stage]
-            bk = row["b_chunk"][stage] + row["i_chunk"][stage]  # at most one of B and I per tick
-            x_f = fwd_buf[row["f_in"][stage]]
-            if poison_idle:
-                x_f = jnp.where(fv > 0, x_f, jnp.nan)
-
-            # F first in the trace (it fixes the residuals' structure B unflattens); the program's
-            # order is its data flow: B reads the stash before F's write replaces a freed slot.
-            def run_f():
-                y, saved, dsh, loss = forward(x_f, fmb, fk)
-                return y, tuple(vary(n, varying_axes(g)) for n, g in zip(saved, stash)), dsh, loss
-
-            y, saved, dsh_f, loss = jax.lax.cond(
-                fv > 0, run_f,
-                lambda: (zeros_like_varying(x_f), tuple(zeros_like_varying(g[0]).reshape(sh_)
-                                                        for g, sh_ in zip(stash, stash_shapes)),
-                         jax.tree.map(zeros_like_varying, diff_shared()),
-                         zeros((), jnp.float32, (*data_axes, STAGE))))
-            saved_b = tuple(g[row["b_stash"][stage] + row["i_stash"][stage]].reshape(sh_)
-                            for g, sh_ in zip(stash, stash_shapes))
-            if poison_idle:
-                saved_b = tuple(jnp.where(bv + iv > 0, s, jnp.nan) if jnp.issubdtype(s.dtype, jnp.floating) else s
-                                for s in saved_b)
-            cot = bwd_buf[row["b_in"][stage] + row["i_in"][stage]]
-
-            # The gradients accumulate inside the action's cond: an idle tick neither fills zeros
-            # nor adds them to the float32 accumulators.
-            def run_b(acc):
-                d_rest, dsh, dx, d_taps = backward(saved_b, cot, bk)
-                d_taps = {k_: tuple(vary(a, taps[k_][4]) for a in xg) for k_, xg in (d_taps or {}).items()}
-                return add(acc, d_rest, bk), dsh, dx, d_taps
-
-            def no_b(acc):
-                return acc, jax.tree.map(zeros_like_varying, diff_shared()), zeros_like_varying(x_f), zero_taps()
-
-            acc_rest, dsh_b, dx, d_taps = jax.lax.cond(bv + iv > 0, run_b, no_b,
-                                                        {k_: a for k_, a in g_blocks.items() if k_ not in taps})
-            g_blocks = {**g_blocks, **acc_rest}
-            dw = {}
-            if table.split:
-                # W: of this tick's fused B (a split table may hold some), and of an earlier I from
-                # what it wrote into its stash slot (and the wstash: what did not fit there).
-                zero_w = lambda: {k_: zeros_like_varying(g_blocks[k_][0]) for k_ in taps}  # noqa: E731
-                if table.rows["b_valid"].any():
-                    g_blocks = add(g_blocks, jax.lax.cond(bv > 0, lambda: weight_grads(d_taps), zero_w), bk)
-                got = _read_items(stash, wstash, packing, row["w_stash"][stage], row["w_wstash"][stage])
-
-                def run_w(acc):  # (accumulated inside the cond: idle ticks touch no accumulator)
-                    return add(acc, weight_grads({k_: (got[(k_, 0)], got[(k_, 1)]) for k_ in taps}),
-                               row["w_chunk"][stage])
-
-                dw = jax.lax.cond(wv > 0, run_w, lambda acc: acc, {k_: g_blocks[k_] for k_ in taps})
-                g_blocks = {**g_blocks, **dw}
-            # Every write of the stash and wstash after every read of them has been consumed (else
-            # XLA keeps a copy of the whole buffer): I's outputs for W into its own slot, over the
-            # residuals it has consumed (and the wstash), then F's residuals into its slot.
-            after = _after(dx, *dw.values())
-            if table.split:
-                new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
-                stash, wstash = _write_items(stash, wstash, packing, new, iv > 0, row["i_stash"][stage],
-                                             row["i_wstash"][stage], after)
-            f_slot = row["f_stash"][stage]
-            stash = jax.lax.cond(fv > 0, lambda st: tuple(s.at[f_slot].set(after(n).reshape(-1)) for s, n in zip(st, saved)),
-                                 lambda st: st, stash)  # (a cond, not a select: see `_write_items`)
-            g_shared = jax.tree.map(lambda a, g1, g2: a + g1.astype(jnp.float32) + g2.astype(jnp.float32),
-                                    g_shared, dsh_f, dsh_b)
-            # One hop per tick: activations to the next stage, gradients to the previous one; the
-            # table says which slot each arrival lands in (-1: nothing arrives).
-            recv_f = jax.lax.ppermute(y, STAGE, fwd_pairs)
-            recv_b = jax.lax.ppermute(dx, STAGE, bwd_pairs)
-            rf, rb = row["f_recv"][stage], row["b_recv"][stage]
-            fwd_buf = fwd_buf.at[jnp.maximum(rf, 0)].set(jnp.where(rf >= 0, recv_f, fwd_buf[jnp.maximum(rf, 0)]))
-            bwd_buf = bwd_buf.at[jnp.maximum(rb, 0)].set(jnp.where(rb >= 0, recv_b, bwd_buf[jnp.maximum(rb, 0)]))
-            return Carry(fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss), None
-
-        rows = {k: jnp.asarray(a) for k, a in table.rows.items()}
-        with activation_rules(mesh, rules, param_fn=param_fn, tp=tp, compute_dtype=cfg.model.dtype):
-            z = rows["f_mb"][0][stage] * 0  # an index that varies over `stage` as the tick's do
-            if table.split:  # the taps' shapes, from a recording trace of the chunk
-                with split_backward(None) as rec:
-                    jax.make_jaxpr(lambda x: chunk_forward(chunk_params(z), shared, x, micro[z, :, :-1], z > 0, z))(
-                        zeros(act_shape))
-                for k_, (xs, xd, gs, gd, ax, ws) in rec.shapes.items():
-                    taps[k_] = (xs, xd, gs, gd, tuple(sorted({*ax, *data_axes, STAGE})), ws)
-            # The stash's leaves: shapes (and manual-axis types) from an abstract trace of F.
-            saved_avals = jax.make_jaxpr(lambda x: forward(x, z, z)[1])(zeros(act_shape)).out_avals
-            residuals.clear()
-            # (A stash slot varies over `stage`, whatever its value does: the tables differ per stage.)
-            # Each leaf's slots are stored flat, [slots, size] (I writes W's inputs into a slot by
-            # offset; a reshaped view of the loop's carry there made XLA copy the whole buffer).
-            stash_shapes = [a.shape for a in saved_avals]
-            stash = tuple(zeros((table.stash, a.size), a.dtype, tuple(sorted({*aval_varying_axes(a), *data_axes, STAGE})))
-                          for a in saved_avals)
-            # What I keeps for W (each tapped matmul's input and output cotangent) goes into its
-            # stash slot, over residuals that I has consumed; the wstash holds what does not fit.
-            items = {(k_, j): ((chunk_layers[k_], *shape), dtype, ax) for k_, (xs, xd, gs, gd, ax, _) in taps.items()
-                     for j, (shape, dtype) in enumerate(((xs, xd), (gs, gd)))}
-            packing = _pack(items, [(s_.shape[1:], s_.dtype, varying_axes(s_)) for s_ in stash])
-            wstash = {key: zeros((table.wstash, *items[key][0]), items[key][1], items[key][2])
-                      for key in items if key not in packing}
-            f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
-            carry = Carry(zeros((table.fwd_slots, *act_shape)), zeros((table.bwd_slots, *act_shape)), stash, wstash,
-                     flat(f32_like(jax.tree.map(lambda w, dim, s: _seed(w, dim + 1, d) if s else w, blocks, block_dims,
-                                                block_mask))), f32_like(diff_shared()),
-                     zeros((), jnp.float32, (*data_axes, STAGE)))
-            done, _ = jax.lax.scan(tick, carry, rows)
-            g_blocks, g_shared, loss = done.g_blocks, done.g_shared, done.loss
-        g_blocks = unflat(g_blocks)
-        # The one reduction per step, after the tick loop.
-        # (An expert-parallel leaf's gradient is complete on its data rank: not reduced.)
-        g_blocks = jax.tree.map(lambda g, w, dim, e: (g.reshape(-1, *g.shape[2:]) if e else
-                                                      reduce_data(g.reshape(-1, *g.shape[2:]), dim)).astype(w.dtype),
-                                g_blocks, params["blocks"], layout.zero_dims["blocks"], layout.experts["blocks"],
-                                is_leaf=lambda x: x is None or isinstance(x, int))
-        if slots.gather:  # back from the slots to the stacks' storage (a padding slot's gradient dropped)
-            g_blocks = _by_kind(slots, g_blocks, layout.stage_dims["blocks"],
-                                lambda g, kind, sd: _from_slots(g, sd, slots.layer_slot[kind], p, stage))
-        g_shared = {k: jax.tree.map(lambda g, w, dim, sdim: _reduce_stage(reduce_data(g, dim), sdim).astype(w.dtype),
-                                    g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k])
-                    for k in g_shared}
-        return jax.lax.psum(loss, (*data_axes, STAGE)), {**g_shared, "blocks": g_blocks}
+        return _stage_step(setup, mesh, rules, tp, names, params, batch)
 
     batch_spec = P(DATA) if dp else P()
     in_specs, out_specs = layout.manual_specs("params", manual), layout.manual_specs("grads", manual)
@@ -458,6 +205,355 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         return loss, {**grads, "blocks": jax.tree.map(lambda g: _reorder(g, p, v), grads["blocks"])}
 
     return interleaved
+
+
+def _stage_step(setup: Setup, mesh: Mesh, rules, tp, names, params, batch):
+    """One stage's whole step inside the shard_map: its parameters made ready (layer slots,
+    gathers), the tick loop over the table (`StageRun.tick`), and the one reduction after it."""
+    layout, p, gather = setup.layout, setup.p, setup.gather
+    stage = jax.lax.axis_index(STAGE)
+    slots = setup.slots
+    if slots.gather:  # this stage's chunks' layer slots, from the stacks stored over `stage` otherwise
+        params = {**params, "blocks": _by_kind(slots, params["blocks"], layout.stage_dims["blocks"],
+                                               lambda w, kind, sd: _to_slots(w, sd, slots.slots[kind], p, stage))}
+    # The shared leaves (embeddings, final norm, head) are stored sharded over `stage` where
+    # they are large (`Layout.stage_dims`): gathered here, for the step.
+    params = {k: w if k == "blocks" else jax.tree.map(_gather_stage, w, layout.stage_dims[k],
+                                                         is_leaf=lambda x: x is None or isinstance(x, int))
+              for k, w in params.items()}
+    param_fn = (_gather_at_use(params, names, layout.zero_dims) if gather == "use"
+                else hand_out(layout) if setup.scatter_mb else None)
+    if gather == "step":  # every sharded leaf once per step, kept for the step
+        params = jax.tree.map(_gather, params, layout.zero_dims)
+    run = StageRun(setup, stage, params, batch)
+    rows = {k: jnp.asarray(a) for k, a in setup.table.rows.items()}
+    cfg = setup.cfg
+    with activation_rules(mesh, rules, param_fn=param_fn, tp=tp, compute_dtype=cfg.model.dtype):
+        done, _ = jax.lax.scan(run.tick, run.initial_carry(rows), rows)
+    g_blocks = run.unflat(done.g_blocks)
+    # The one reduction per step, after the tick loop.
+    # (An expert-parallel leaf's gradient is complete on its data rank: not reduced.)
+    g_blocks = jax.tree.map(lambda g, w, dim, e: (g.reshape(-1, *g.shape[2:]) if e else
+                                                  setup.reduce_data(g.reshape(-1, *g.shape[2:]), dim)).astype(w.dtype),
+                            g_blocks, params["blocks"], layout.zero_dims["blocks"], layout.experts["blocks"],
+                            is_leaf=lambda x: x is None or isinstance(x, int))
+    if slots.gather:  # back from the slots to the stacks' storage (a padding slot's gradient dropped)
+        g_blocks = _by_kind(slots, g_blocks, layout.stage_dims["blocks"],
+                            lambda g, kind, sd: _from_slots(g, sd, slots.layer_slot[kind], p, stage))
+    g_shared = {k: jax.tree.map(lambda g, w, dim, sdim: _reduce_stage(setup.reduce_data(g, dim), sdim).astype(w.dtype),
+                                done.g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k])
+                for k in done.g_shared}
+    return jax.lax.psum(done.loss, (*setup.data_axes, STAGE)), {**g_shared, "blocks": g_blocks}
+
+
+class StageRun:
+    """One stage's step as the tick loop sees it: its chunks' parameters, its microbatches, and
+    the actions of a tick (`forward` = F, `backward` = B or I, `weight_grads` = W) as methods over
+    them; `tick` is the `lax.scan` body over the table's rows, on a `Carry`.
+
+    F saves what B needs: the residuals of the chunk's `jax.vjp` (what the remat policy keeps),
+    less the parameters among them (B takes those from the parameters themselves, so the stash
+    holds activations only). `residuals` is fixed by the first trace of F. With a split table the
+    weight matmuls are not differentiated: they take taps, whose cotangents (input, output
+    cotangent) I saves for W (`jaxpar.model.layers.split_backward`)."""
+
+    def __init__(self, setup: Setup, stage: jax.Array, params: dict, batch: jax.Array):
+        s, layout, cfg = setup, setup.layout, setup.cfg
+        self.s, self.stage = s, stage
+        v = s.v
+        # This stage's v chunks, [v, layers per chunk, ...] (the blocks arrive in pipeline order).
+        blocks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), params["blocks"])
+        shared = {k: w for k, w in params.items() if k != "blocks"}
+        # Unreduced inside the loop: blocks vary over `data`; shared parameters over `data` and
+        # `stage` too (only the end stages use them); both are reduced once after the loop.
+        # (ZeRO-3's shards, and what was gathered from them, vary over `data` already.)
+        self.blocks = jax.tree.map(lambda w: vary(w, s.data_axes), blocks)
+        self.shared = jax.tree.map(lambda w: vary(w, (*s.data_axes, STAGE)), shared)
+        self.micro = batch.reshape(s.m, batch.shape[0] // s.m, *batch.shape[1:])
+        b, seq = self.micro.shape[1], self.micro.shape[2] - 1
+        self.act_shape = (b, seq // s.t if s.sp else seq, cfg.model.d_model)
+        self.act_axes = (*s.data_axes, STAGE, *((MODEL,) if s.sp else ()))
+        # What is differentiated: the parameters, or (ZeRO-2 per microbatch) the seeds of the
+        # sharded ones, each handed to the model beside its parameter.
+        is_dim = lambda x: x is None or isinstance(x, int)  # noqa: E731
+        self.block_dims = layout.zero_dims["blocks"]
+        self.shared_dims = {k: layout.zero_dims[k] for k in shared}
+        self.block_mask = jax.tree.map(lambda dim: s.scatter_mb and dim is not None, self.block_dims, is_leaf=is_dim)
+        self.shared_mask = {k: jax.tree.map(lambda dim: s.scatter_mb and dim is not None, layout.zero_dims[k],
+                                            is_leaf=is_dim) for k in shared}
+        # Block leaves as a flat dict keyed by their path (the split backward's taps are keyed so).
+        one = jax.tree.map(lambda w: w[0], self.blocks)
+        self.block_def = jax.tree.structure(one)
+        self.paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(one)]
+        # The layers of a chunk in each leaf's stack (a mixed model's dense and MoE stacks differ).
+        self.chunk_layers = {k: w.shape[0] for k, w in self.flat(one).items()}
+        self.dim_of = self.flat(jax.tree.map(lambda dim: -1 if dim is None else dim, self.block_dims, is_leaf=is_dim))
+        self.block_mask_flat = self.flat(self.block_mask)
+        self.acc_axes = {k: (*s.data_axes, *varying_axes(w)) for k, w in self.flat(one).items()}
+        self.scatter_at_w = s.reduction.at_use  # W reduce-scatters a sharded weight's gradient
+        self.residuals, self.taps = {}, {}
+        self.stash_shapes, self.packing = None, None  # set by `initial_carry`
+
+    # -- trees and zeros ---------------------------------------------------------------------
+
+    def flat(self, tree) -> dict:
+        return dict(zip(self.paths, jax.tree.leaves(tree)))
+
+    def unflat(self, d: dict):
+        return jax.tree.unflatten(self.block_def, [d[k] for k in self.paths])
+
+    def zeros(self, shape, dtype=None, axes=None):
+        """Zeros that vary over the manual axes their contents vary on (default: an activation's)."""
+        dtype = self.s.cfg.model.dtype if dtype is None else dtype
+        axes = self.act_axes if axes is None else axes
+        return jax.lax.pcast(jnp.zeros(shape, dtype), axes, to="varying") if axes else jnp.zeros(shape, dtype)
+
+    def zero_taps(self) -> dict:
+        return {k: (self.zeros((self.chunk_layers[k], *xs), xd, ax), self.zeros((self.chunk_layers[k], *gs), gd, ax))
+                for k, (xs, xd, gs, gd, ax, _) in self.taps.items()}
+
+    def chunk_params(self, k):
+        return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, k, 0, keepdims=False), self.blocks)
+
+    def diff_blocks(self, full_bl):  # one chunk: [layers per chunk, ...]; its zero dim is the stacked one's
+        return jax.tree.map(lambda w, dim, s: _seed(w, dim, self.s.d) if s else w, full_bl, self.block_dims,
+                            self.block_mask)
+
+    def diff_shared(self):
+        return jax.tree.map(lambda w, dim, s: _seed(w, dim, self.s.d) if s else w, self.shared, self.shared_dims,
+                            self.shared_mask)
+
+    @staticmethod
+    def handed(diff, full, mask):
+        return jax.tree.map(lambda dd, w, s: Handout(w, dd) if s else dd, diff, full, mask)
+
+    def ends(self, k):
+        """Does this (stage, local chunk) hold the first / the last chunk of the model?"""
+        return (self.stage == 0) & (k == 0), (self.stage == self.s.p - 1) & (k == self.s.v - 1)
+
+    # -- the actions -------------------------------------------------------------------------
+
+    def chunk_forward(self, blocks, shared, x_in, tokens, first, k):
+        # Only the first chunk embeds (a cond, not a select: under tensor parallelism the lookup
+        # ends in a collective, under ZeRO-3 the embedding's gather, that the other stages must
+        # not pay for). The shared parameters are bound inside the branch for that reason.
+        s = self.s
+        x = jax.lax.cond(first, lambda: model.bind(s.chunk_cfg, shared).embed_tokens(tokens), lambda: x_in)
+        active = None
+        if s.slots.gather:  # this (stage, local chunk)'s active slots, per stack
+            active = {kind: jnp.asarray(a)[self.stage, k] for kind, a in s.slots.active.items()}
+        return model.bind(s.chunk_cfg, {"blocks": blocks}).backbone(x, remat=s.cfg.parallel.remat, active=active)
+
+    def linearize(self, x_in, mb, k):
+        """The chunk's output and what its pullback keeps (stashed by F), matched once against
+        the parameters (`residuals`)."""
+        tokens = self.micro[mb, :, :-1]
+        full_bl = self.chunk_params(k)
+        diff, sh = self.flat(self.diff_blocks(full_bl)), self.diff_shared()
+        fixed = {p_: w for p_, w in diff.items() if p_ in self.taps}
+        rest = {p_: w for p_, w in diff.items() if p_ not in self.taps}
+        split = self.s.table.split
+
+        def f(rest, sh, x, tap_in):
+            bl = self.handed(self.unflat({**fixed, **rest}), full_bl, self.block_mask)
+            with split_backward(tap_in) if split else contextlib.nullcontext():
+                return self.chunk_forward(bl, self.handed(sh, self.shared, self.shared_mask), x, tokens,
+                                          self.ends(k)[0], k)
+
+        y, pullback = jax.vjp(f, rest, sh, x_in, self.zero_taps() if split else None)
+        leaves, treedef = jax.tree.flatten(pullback)
+        # Each residual is a parameter ("p", its index among the inputs) or an activation
+        # ("s", its stash leaf), stashed once however many times the pullback refers to it
+        # (e.g. one layer input saved by the q, k and v matmuls).
+        known = {id(w): i for i, w in enumerate(_param_leaves(full_bl, diff, self.shared, sh))}
+        stashed, where = {}, []
+        for r in leaves:
+            if id(r) in known:
+                where.append(("p", known[id(r)]))
+            else:
+                where.append(("s", stashed.setdefault(id(r), (len(stashed), r))[0]))
+        where = tuple(where)
+        # Each trace of the tick traces F before B, which unflattens this trace's structure.
+        if self.residuals and where != self.residuals["where"]:
+            raise AssertionError("the chunk's residuals differ between traces of F")
+        self.residuals.update(treedef=treedef, where=where)
+        return y, tuple(r for _, r in stashed.values())
+
+    def forward(self, x_in, mb, k):
+        """F: the chunk's output, its residuals, and on the last chunk the loss and its
+        backward through the head (the chunk output's cotangent, the head's gradients)."""
+        s = self.s
+        y, saved = self.linearize(x_in, mb, k)
+        targets = self.micro[mb, :, 1:]
+
+        def head():
+            sh = self.diff_shared()
+            loss, pull = jax.vjp(lambda sh, y: s.loss_sum(
+                model.bind(s.chunk_cfg, self.handed(sh, self.shared, self.shared_mask)).head(y), targets) / s.n_tokens,
+                sh, y)
+            dsh, dy = pull(jnp.ones_like(loss))
+            return loss, dsh, dy
+
+        def no_head():
+            return (self.zeros((), jnp.float32, (*s.data_axes, STAGE)),
+                    jax.tree.map(zeros_like_varying, self.diff_shared()), zeros_like_varying(y))
+
+        loss, dsh, dy = jax.lax.cond(self.ends(k)[1], head, no_head)
+        return y, (*saved, dy), dsh, loss
+
+    def backward(self, saved, cot, k):
+        """B, or I with a split table: the chunk's gradients from what F saved (no second
+        forward): (parameter gradients but the tapped weights', shared ones', input's, taps')."""
+        *saved, dy = saved
+        full_bl = self.chunk_params(k)
+        inputs = _param_leaves(full_bl, self.flat(self.diff_blocks(full_bl)), self.shared, self.diff_shared())
+        leaves = [inputs[i] if kind == "p" else saved[i] for kind, i in self.residuals["where"]]
+        pullback = jax.tree.unflatten(self.residuals["treedef"], leaves)
+        d_rest, dsh, dx, d_taps = pullback(jnp.where(self.ends(k)[1], dy, cot))
+        return d_rest, dsh, dx, d_taps
+
+    def weight_grads(self, d_taps):
+        """W: each tapped weight's gradient x^T g, reduce-scattered where ZeRO reduces per
+        microbatch (float32, as the reduction at use would)."""
+        s = self.s
+        out = {}
+        for k_, (x2, g2) in d_taps.items():
+            dw = weight_gradient(x2, g2).reshape(self.chunk_layers[k_], *self.taps[k_][5]).astype(jnp.float32)
+            # A weight the matmul made varying (e.g. kv heads replicated over `model` under
+            # tensor parallelism): summed over those axes, as the cast's transpose would.
+            extra = tuple(a for a in varying_axes(dw) if a not in self.acc_axes[k_])
+            if extra:
+                dw = jax.lax.psum(dw, extra)
+            if (self.scatter_at_w and s.dp and self.dim_of[k_] >= 0
+                    and (s.gather == "use" or self.block_mask_flat[k_])):
+                dw = jax.lax.psum_scatter(dw, DATA, scatter_dimension=self.dim_of[k_], tiled=True)
+            out[k_] = dw
+        return out
+
+    @staticmethod
+    def add(acc, grads, k):
+        return {**acc, **{k_: acc[k_].at[k].add(g.astype(jnp.float32)) for k_, g in grads.items()}}
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def initial_carry(self, rows) -> Carry:
+        """The taps' and the stash's shapes, from abstract traces of the chunk and of F, and the
+        loop's first carry: empty buffers and stash, zero float32 accumulators."""
+        s = self.s
+        taps, table = self.taps, s.table
+        z = rows["f_mb"][0][self.stage] * 0  # an index that varies over `stage` as the tick's do
+        if table.split:  # the taps' shapes, from a recording trace of the chunk
+            with split_backward(None) as rec:
+                jax.make_jaxpr(lambda x: self.chunk_forward(self.chunk_params(z), self.shared, x,
+                                                            self.micro[z, :, :-1], z > 0, z))(self.zeros(self.act_shape))
+            for k_, (xs, xd, gs, gd, ax, ws) in rec.shapes.items():
+                taps[k_] = (xs, xd, gs, gd, tuple(sorted({*ax, *s.data_axes, STAGE})), ws)
+        # The stash's leaves: shapes (and manual-axis types) from an abstract trace of F.
+        saved_avals = jax.make_jaxpr(lambda x: self.forward(x, z, z)[1])(self.zeros(self.act_shape)).out_avals
+        self.residuals.clear()
+        # (A stash slot varies over `stage`, whatever its value does: the tables differ per stage.)
+        # Each leaf's slots are stored flat, [slots, size] (I writes W's inputs into a slot by
+        # offset; a reshaped view of the loop's carry there made XLA copy the whole buffer).
+        self.stash_shapes = [a.shape for a in saved_avals]
+        stash = tuple(self.zeros((table.stash, a.size), a.dtype,
+                                 tuple(sorted({*aval_varying_axes(a), *s.data_axes, STAGE})))
+                      for a in saved_avals)
+        # What I keeps for W (each tapped matmul's input and output cotangent) goes into its
+        # stash slot, over residuals that I has consumed; the wstash holds what does not fit.
+        items = {(k_, j): ((self.chunk_layers[k_], *shape), dtype, ax)
+                 for k_, (xs, xd, gs, gd, ax, _) in taps.items()
+                 for j, (shape, dtype) in enumerate(((xs, xd), (gs, gd)))}
+        self.packing = _pack(items, [(s_.shape[1:], s_.dtype, varying_axes(s_)) for s_ in stash])
+        wstash = {key: self.zeros((table.wstash, *items[key][0]), items[key][1], items[key][2])
+                  for key in items if key not in self.packing}
+        f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
+        g_blocks = self.flat(f32_like(jax.tree.map(lambda w, dim, m: _seed(w, dim + 1, s.d) if m else w,
+                                                   self.blocks, self.block_dims, self.block_mask)))
+        return Carry(self.zeros((table.fwd_slots, *self.act_shape)), self.zeros((table.bwd_slots, *self.act_shape)),
+                     stash, wstash, g_blocks, f32_like(self.diff_shared()),
+                     self.zeros((), jnp.float32, (*s.data_axes, STAGE)))
+
+    def tick(self, carry: Carry, row):
+        """One tick of the table on this stage: F, then B or I, then W (as the row says), one
+        hop each way, and the arrivals into their buffer slots."""
+        s, stage, taps, table = self.s, self.stage, self.taps, self.s.table
+        stash_shapes, packing = self.stash_shapes, self.packing
+        fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc = carry
+        fv, fmb, fk = row["f_valid"][stage], row["f_mb"][stage], row["f_chunk"][stage]
+        bv, iv, wv = row["b_valid"][stage], row["i_valid"][stage], row["w_valid"][stage]
+        bk = row["b_chunk"][stage] + row["i_chunk"][stage]  # at most one of B and I per tick
+        x_f = fwd_buf[row["f_in"][stage]]
+        if s.poison_idle:
+            x_f = jnp.where(fv > 0, x_f, jnp.nan)
+
+        # F first in the trace (it fixes the residuals' structure B unflattens); the program's
+        # order is its data flow: B reads the stash before F's write replaces a freed slot.
+        def run_f():
+            y, saved, dsh, loss = self.forward(x_f, fmb, fk)
+            return y, tuple(vary(n, varying_axes(g)) for n, g in zip(saved, stash)), dsh, loss
+
+        y, saved, dsh_f, loss = jax.lax.cond(
+            fv > 0, run_f,
+            lambda: (zeros_like_varying(x_f), tuple(zeros_like_varying(g[0]).reshape(sh_)
+                                                    for g, sh_ in zip(stash, stash_shapes)),
+                     jax.tree.map(zeros_like_varying, self.diff_shared()),
+                     self.zeros((), jnp.float32, (*s.data_axes, STAGE))))
+        saved_b = tuple(g[row["b_stash"][stage] + row["i_stash"][stage]].reshape(sh_)
+                        for g, sh_ in zip(stash, stash_shapes))
+        if s.poison_idle:
+            saved_b = tuple(jnp.where(bv + iv > 0, x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                            for x in saved_b)
+        cot = bwd_buf[row["b_in"][stage] + row["i_in"][stage]]
+
+        # The gradients accumulate inside the action's cond: an idle tick neither fills zeros
+        # nor adds them to the float32 accumulators.
+        def run_b(acc):
+            d_rest, dsh, dx, d_taps = self.backward(saved_b, cot, bk)
+            d_taps = {k_: tuple(vary(a, taps[k_][4]) for a in xg) for k_, xg in (d_taps or {}).items()}
+            return self.add(acc, d_rest, bk), dsh, dx, d_taps
+
+        def no_b(acc):
+            return acc, jax.tree.map(zeros_like_varying, self.diff_shared()), zeros_like_varying(x_f), self.zero_taps()
+
+        acc_rest, dsh_b, dx, d_taps = jax.lax.cond(bv + iv > 0, run_b, no_b,
+                                                    {k_: a for k_, a in g_blocks.items() if k_ not in taps})
+        g_blocks = {**g_blocks, **acc_rest}
+        dw = {}
+        if table.split:
+            # W: of this tick's fused B (a split table may hold some), and of an earlier I from
+            # what it wrote into its stash slot (and the wstash: what did not fit there).
+            zero_w = lambda: {k_: zeros_like_varying(g_blocks[k_][0]) for k_ in taps}  # noqa: E731
+            if table.rows["b_valid"].any():
+                g_blocks = self.add(g_blocks, jax.lax.cond(bv > 0, lambda: self.weight_grads(d_taps), zero_w), bk)
+            got = _read_items(stash, wstash, packing, row["w_stash"][stage], row["w_wstash"][stage])
+
+            def run_w(acc):  # (accumulated inside the cond: idle ticks touch no accumulator)
+                return self.add(acc, self.weight_grads({k_: (got[(k_, 0)], got[(k_, 1)]) for k_ in taps}),
+                                row["w_chunk"][stage])
+
+            dw = jax.lax.cond(wv > 0, run_w, lambda acc: acc, {k_: g_blocks[k_] for k_ in taps})
+            g_blocks = {**g_blocks, **dw}
+        # Every write of the stash and wstash after every read of them has been consumed (else
+        # XLA keeps a copy of the whole buffer): I's outputs for W into its own slot, over the
+        # residuals it has consumed (and the wstash), then F's residuals into its slot.
+        after = _after(dx, *dw.values())
+        if table.split:
+            new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
+            stash, wstash = _write_items(stash, wstash, packing, new, iv > 0, row["i_stash"][stage],
+                                         row["i_wstash"][stage], after)
+        f_slot = row["f_stash"][stage]
+        stash = jax.lax.cond(fv > 0, lambda st: tuple(x.at[f_slot].set(after(n).reshape(-1)) for x, n in zip(st, saved)),
+                             lambda st: st, stash)  # (a cond, not a select: see `_write_items`)
+        g_shared = jax.tree.map(lambda a, g1, g2: a + g1.astype(jnp.float32) + g2.astype(jnp.float32),
+                                g_shared, dsh_f, dsh_b)
+        # One hop per tick: activations to the next stage, gradients to the previous one; the
+        # table says which slot each arrival lands in (-1: nothing arrives).
+        recv_f = jax.lax.ppermute(y, STAGE, s.fwd_pairs)
+        recv_b = jax.lax.ppermute(dx, STAGE, s.bwd_pairs)
+        rf, rb = row["f_recv"][stage], row["b_recv"][stage]
+        fwd_buf = fwd_buf.at[jnp.maximum(rf, 0)].set(jnp.where(rf >= 0, recv_f, fwd_buf[jnp.maximum(rf, 0)]))
+        bwd_buf = bwd_buf.at[jnp.maximum(rb, 0)].set(jnp.where(rb >= 0, recv_b, bwd_buf[jnp.maximum(rb, 0)]))
+        return Carry(fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss), None
 
 
 def _after(*read_results: jax.Array) -> Callable[[jax.Array], jax.Array]:

@@ -67,7 +67,7 @@ def summary(cfg, mesh) -> str:
         f"train   {tr.steps} steps x {tr.global_batch} sequences ({tr.global_batch * m.seq_len:,} tokens/step), "
         f"lr {tr.lr:g}, data {cfg.data.source!r}, run_dir {tr.run_dir}",
         f"parallel zero {cfg.parallel.zero}, remat {cfg.parallel.remat}, microbatches {cfg.parallel.microbatches}; "
-        f"gradients: {naive.describe(cfg) if cfg.parallel.data_mode == 'naive' else describe_reduction(cfg)}"
+        f"gradients: {naive.describe(cfg) if cfg.parallel.data_mode == 'naive' else describe_reduction(cfg, mesh.shape['data'], mesh.shape['stage'])}"
         + _experts_layout(cfg, mesh.shape["data"]),
         f"state   per device (of the fully replicated total): {per_device}"
         + ("; optimizer state in pinned host memory" if cfg.parallel.offload == "optimizer" else ""),

@@ -93,9 +93,8 @@ def upcast_at_use(cfg, data: int, stage: int) -> bool:
     uses it (the per-layer all-reduce of ZeRO-0/1 with one microbatch, data > 1, no pipeline:
     reduced in float32, stored in 16 bits) rather than as a float32 copy of the stored parameters
     that the step differentiates (everywhere else). `jaxpar.train.step` and `jaxpar.costs` both ask."""
-    from jaxpar.parallel.gradients import reduce_at_use
+    from jaxpar.parallel.gradients import reduction
 
-    par = cfg.parallel
     # ZeRO-1/2 reduce-scatter at use into float32 seeds (`jaxpar.parallel.gradients.Handout`).
-    return (cfg.train.master_weights != "none" and par.zero in (0, 1, 2) and reduce_at_use(cfg, par.zero)
-            and data > 1 and stage == 1)
+    return (cfg.train.master_weights != "none" and cfg.parallel.zero in (0, 1, 2) and stage == 1
+            and reduction(cfg, data, stage).at_use)
