@@ -127,7 +127,6 @@ class Setup:
     n_tokens: int       # tokens of the global batch: the loss's one divisor
     sp: bool            # sequence parallelism on
     data_axes: tuple    # ("data",) where data has more than one shard, else ()
-    zero: int           # the ZeRO stage in effect (0 on one data shard)
     reduction: Reduction  # where gradients are reduced and ZeRO-3's shards gathered (gradients.reduction)
     fwd_pairs: tuple    # ppermute pairs of the forward hop (interleaved: round the ring)
     bwd_pairs: tuple
@@ -135,6 +134,11 @@ class Setup:
     @property
     def dp(self) -> bool:
         return bool(self.data_axes)
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage in effect (0 on one data shard: nothing is sharded)."""
+        return self.reduction.zero
 
     @property
     def gather(self) -> str | None:
@@ -172,12 +176,11 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     slots = stage_layout(cfg.model, p, v, cfg.parallel.stage_layers)
     chunk_cfg = chunk_model(cfg.model, slots)
     model.param_names(chunk_cfg)  # build (and cache) the chunk model's abstract state outside any mesh context
-    zero = layout.zero if dp else 0  # on one data shard nothing is sharded
     setup = Setup(
         cfg=cfg, layout=layout, table=table, loss_sum=loss_sum, poison_idle=poison_idle, p=p, v=v, t=t,
         d=mesh.shape[DATA], m=cfg.parallel.microbatches, slots=slots, chunk_cfg=chunk_cfg,
         n_tokens=cfg.train.global_batch * cfg.model.seq_len, sp=cfg.parallel.sequence_parallel and t > 1,
-        data_axes=(DATA,) if dp else (), zero=zero,
+        data_axes=(DATA,) if dp else (),
         # ZeRO-2, per microbatch: every B reduce-scatters its sharded gradients where they arise (a
         # seed per leaf, `jaxpar.parallel.gradients.Handout`), and the accumulator holds shards only.
         reduction=reduction(cfg, mesh.shape[DATA], p),
