@@ -165,7 +165,7 @@ DOT_TAG = "jaxpar_dot"
 ATTN_TAG = "jaxpar_attn_proj"
 
 # A hook that hands a parameter to the model: `(x, logical names, dtype) -> value`, where dtype is
-# the compute dtype the value must come out in (None: as stored). `x` is an array, or a `Handout`.
+# the compute dtype the value must come out in (None: as stored). `x` is an array, a `Handout` or a `Shard`.
 ParamFn = Callable[[Any, tuple[str, ...], Any], jax.Array]
 
 # Primitives that hand out parameters inside a data-parallel region: a data-axis cast (`pvary`)
@@ -202,13 +202,14 @@ def params_never_saved(policy: Callable[..., bool] | None) -> Callable[..., bool
 
 @jax.tree_util.register_pytree_node_class
 class Handout:
-    """A parameter as ZeRO-1/2 hand it to the model: the replicated value `full` and a zero `seed`
-    shaped like its data shard. The model sees `full`; the gradient comes out as the seed's,
-    reduce-scattered over `data` where the parameter was used (`jaxpar.parallel.gradients`).
-    A pytree of both, so that the layer scan slices them together."""
+    """A parameter as ZeRO-1/2 hand it to the model when they reduce at use: the replicated value
+    `full` and a zero `seed` shaped like its data shard along `dim`. The model sees `full`; the
+    gradient comes out as the seed's, reduce-scattered over `data` where the parameter was used
+    (`jaxpar.parallel.gradients.hand_out`). A pytree of both, so that the layer scan slices them
+    together; `dim` counts from the end, so it holds for a stack and for each of its layers."""
 
-    def __init__(self, full: jax.Array, seed: jax.Array):
-        self.full, self.seed = full, seed
+    def __init__(self, full: jax.Array, seed: jax.Array, dim: int):
+        self.full, self.seed, self.dim = full, seed, dim
 
     @property
     def shape(self):
@@ -219,11 +220,37 @@ class Handout:
         return self.full.dtype
 
     def tree_flatten(self):
-        return (self.full, self.seed), None
+        return (self.full, self.seed), self.dim
 
     @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(*children)
+    def tree_unflatten(cls, dim, children):
+        return cls(*children, dim)
+
+
+@jax.tree_util.register_pytree_node_class
+class Shard:
+    """A parameter as ZeRO-3 hands it to the model when it gathers at use: its data shard along
+    `dim` (counted from the end, as `Handout`'s), all-gathered over `data` by the hook where the
+    model uses it (`jaxpar.parallel.gradients.hand_out`). Marking the leaf, rather than
+    recognising a shard by its names and shape, leaves nothing for the hook to guess."""
+
+    def __init__(self, value: jax.Array, dim: int):
+        self.value, self.dim = value, dim
+
+    @property
+    def shape(self):
+        return self.value.shape
+
+    @property
+    def dtype(self):
+        return self.value.dtype
+
+    def tree_flatten(self):
+        return (self.value,), self.dim
+
+    @classmethod
+    def tree_unflatten(cls, dim, children):
+        return cls(*children, dim)
 
 
 def compute_cast(names: Sequence[str]) -> bool:
@@ -331,7 +358,7 @@ def use_params(tree: Any, names: Any) -> Any:
         return checkpoint_name(y, PARAMS_TAG)
 
     return jax.tree.map(hand_out, tree, names,
-                        is_leaf=lambda x: isinstance(x, Handout) or (isinstance(x, tuple) and all(isinstance(a, str) for a in x)))
+                        is_leaf=lambda x: isinstance(x, (Handout, Shard)) or (isinstance(x, tuple) and all(isinstance(a, str) for a in x)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,15 +6,18 @@ import re
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from helpers import assert_parity, max_abs_diff, run_reference, run_steps
 from jaxpar import model
 from jaxpar.config import ConfigError, from_dict, load_config
 from jaxpar.inspect import analyze
 from jaxpar.mesh import make_mesh
+from jaxpar.model.layers import MLP, Attention, norm, param
 from jaxpar.parallel.pipeline import make_pipeline_loss_and_grads, table_of
 from jaxpar.parallel.schedules import build as build_schedule
 from jaxpar.parallel.schedules import simulate
+from jaxpar.sharding import enter_tp
 from jaxpar.train.step import build, cross_entropy_sum, lower_step
 
 def tiny_pp(arch, stage, schedule, m, data=1, model_=1, zero=0, v=None, remat="none"):
@@ -93,6 +96,36 @@ def test_explicit_layers_per_stage(counts, data, zero):
     cfg = tiny_pp("gpt2", len(counts), "1f1b", 4, data=data, zero=zero)
     check_parity(cfg.replace(model={"n_layers": sum(counts)},
                              parallel={"stage_layers": list(counts), "zero_min_elements": 0}))
+
+
+
+@model.register_block("wide_gate")
+class WideGateBlock(nnx.Module):
+    """A pre-norm block whose sub-layers are scaled by one [2·d_model] gate, named like a norm
+    scale: under ZeRO-3 its data shard per layer has a norm scale's names and shape."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.attn_norm, self.mlp_norm = norm(cfg), norm(cfg)
+        self.attn, self.mlp = Attention(cfg, rngs=rngs), MLP(cfg, rngs=rngs)
+        self.gate = param(rngs, (2 * cfg.d_model,), ("embed",), cfg.param_dtype, std=0.5)
+
+    def __call__(self, x_BxTxD):
+        g, d = self.gate[...], x_BxTxD.shape[-1]
+        x_BxTxD = x_BxTxD + self.attn(enter_tp(self.attn_norm(x_BxTxD))) * (1 + g[:d])
+        return x_BxTxD + self.mlp(enter_tp(self.mlp_norm(x_BxTxD))) * (1 + g[d:])
+
+
+@pytest.mark.parametrize("stage", [2, 1])
+def test_zero3_gathers_what_it_marked_not_what_looks_like_a_shard(stage):
+    """ZeRO-3 hands its shards to the model marked (`jaxpar.sharding.Shard`), in the pipeline as
+    in the data-parallel executor. Here every layer's gate shard, [2·32] split over 2 data shards,
+    has the names and shape of its norm scales, [32], left replicated below zero_min_elements:
+    a hook that recognised shards by (names, shape), as the pipeline's did, could not tell them
+    apart (it refused the model)."""
+    cfg = tiny_pp("llama", stage, "1f1b", 4, data=2, zero=3).replace(
+        model={"block": "wide_gate"}, parallel={"zero_min_elements": 300})
+    ref = run_reference(cfg.replace(parallel={"microbatches": 1}))
+    assert_parity(run_steps(cfg), ref)
 
 
 # ---------------------------------------------------------------------------------------------

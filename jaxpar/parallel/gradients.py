@@ -33,9 +33,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config
+from jaxpar.parallel import microbatches
 from jaxpar.parallel.zero import Layout
-from jaxpar.sharding import (Handout, recast, Rules, TensorParallel, activation_rules, compute_rules, vary, varying_axes,
-                             zeros_like_varying)
+from jaxpar.sharding import (Handout, Shard, recast, Rules, TensorParallel, activation_rules, compute_rules, vary,
+                             varying_axes)
 
 DATA, MODEL = "data", "model"
 
@@ -97,22 +98,38 @@ def gather_at_use(shard: jax.Array, dim: int | None, cast) -> jax.Array:
     return _gather_cast(shard, dim, cast, shard.dtype)
 
 
-def hand_out(layout: Layout, upcast: bool = False) -> Callable:
+def hand_out(upcast: bool = False) -> Callable:
     """The `use_params` hook inside a shard_map manual over `data`: a `Handout` (ZeRO-1/2) is
-    reduce-scattered at use, a data shard (ZeRO-3) all-gathered at use, anything else cast to
-    data-varying (its gradient all-reduced at use). Matrices come out in the compute dtype. With
-    `upcast` (master weights) a 16-bit parameter is made float32 first, so that its gradient is
-    reduced in float32."""
+    reduce-scattered at use, a `Shard` (ZeRO-3) all-gathered at use, a value already data-varying
+    only cast, anything else cast to data-varying (its gradient all-reduced at use). Matrices come
+    out in the compute dtype. With `upcast` (master weights) a 16-bit parameter is made float32
+    first, so that its gradient is reduced in float32. Both executors hand parameters out through
+    it, marked by `mark_for_use`."""
     def use(x, names: tuple[str, ...], cast) -> jax.Array:
         if isinstance(x, Handout):
-            return _cast(_scatter_at_use(x.full, x.seed, layout.gather_dim(names, x.seed.shape)), cast)
-        if DATA in varying_axes(x):  # a ZeRO-3 shard, or a value already made data-varying
-            dim = layout.gather_dims.get((tuple(names), tuple(x.shape))) if layout.zero == 3 else None
-            return gather_at_use(x, dim, cast)
+            return _cast(_scatter_at_use(x.full, x.seed, x.dim % x.full.ndim), cast)
+        if isinstance(x, Shard):
+            return gather_at_use(x.value, x.dim % x.value.ndim, cast)
+        if DATA in varying_axes(x):  # already data-varying: an expert's slice, the pipeline's leaves
+            return _cast(x, cast)
         if upcast:
             x = x.astype(jnp.float32)
         return _cast(_varying(x), cast)
     return use
+
+
+def mark_for_use(red: Reduction, diff, full, dims):
+    """The parameters as `hand_out` receives them: where `red` reduces ZeRO-1/2's gradients at
+    use, a `Handout` of each sharded leaf of `full` with its seed from `diff`; where it gathers
+    ZeRO-3's shards at use, each shard of `diff` as a `Shard`; else `diff` as is. `dims` are the
+    leaves' ZeRO dims (`Layout.zero_dims`, a stack's: they count from the end once marked)."""
+    scatter, gather = red.at_use and red.zero in (1, 2), red.gather == "use"
+
+    def one(dd, w, dim):
+        if dim is None or not (scatter or gather):
+            return dd
+        return Handout(w, dd, dim - w.ndim) if scatter else Shard(dd, dim - w.ndim)
+    return jax.tree.map(one, diff, full, dims, is_leaf=lambda x: x is None or isinstance(x, int))
 
 
 def manual_region(cfg: Config, mesh: Mesh, *always: str) -> tuple[set[str], Rules, TensorParallel | None]:
@@ -210,38 +227,35 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     partitioning mode"), and there is nothing to reduce over it anyway.
     """
     zero, m, d = layout.zero, cfg.parallel.microbatches, mesh.shape[DATA]
-    n_tokens = cfg.train.global_batch * cfg.model.seq_len
+    n_tokens = microbatches.loss_tokens(cfg)
     dp = d > 1
     manual, rules, tp = manual_region(cfg, mesh)
-    at_use = reduction(cfg, d, 1).at_use
+    red = reduction(cfg, d, 1)
+    at_use = red.at_use
     master = cfg.train.master_weights != "none"
     # Otherwise no hook: `use_params` still hands matrices out in the compute dtype (`recast`).
-    param_fn = hand_out(layout, upcast=master) if at_use else None
+    param_fn = hand_out(upcast=master) if at_use else None
     # ZeRO-1/2 leaves sharded over data: handed out with a seed when reduced at use.
     scatter = jax.tree.map(lambda dim: at_use and zero in (1, 2) and dim is not None, layout.zero_dims,
                            is_leaf=lambda x: x is None or isinstance(x, int))
 
     def grads_of(diff, params, rows):
         def loss_of(diff):
-            tree = jax.tree.map(lambda dd, p, s: Handout(p, dd) if s else dd, diff, params, scatter)
-            return loss_fn(tree, rows, n_tokens)
+            return loss_fn(mark_for_use(red, diff, params, layout.zero_dims), rows, n_tokens)
         with activation_rules(mesh, rules, param_fn=param_fn, tp=tp, compute_dtype=cfg.model.dtype):
             return jax.value_and_grad(loss_of)(diff)
 
     def accumulate(diff, params, batch):
         if m == 1:
             return grads_of(diff, params, batch)
-        micro = batch.reshape(m, batch.shape[0] // m, *batch.shape[1:])
-
         # Every microbatch inside the loop (one microbatch's activations live at a time), into a
         # float32 accumulator typed like what it sums: a gradient has its primal's shape and
         # manual-axis variance.
         def body(acc, rows):
             loss, g = grads_of(diff, params, rows)
-            return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
+            return microbatches.add_f32(acc, g), loss
 
-        acc = jax.tree.map(lambda x: zeros_like_varying(x).astype(jnp.float32), diff)
-        acc, losses = jax.lax.scan(body, acc, micro)
+        acc, losses = jax.lax.scan(body, microbatches.f32_zeros(diff), microbatches.split(batch, m))
         return jnp.sum(losses), jax.tree.map(lambda a, x: a.astype(x.dtype), acc, diff)
 
     def local(params, batch):

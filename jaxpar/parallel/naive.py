@@ -45,6 +45,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config
+from jaxpar.parallel import microbatches
 from jaxpar.parallel.zero import Layout
 from jaxpar.sharding import activation_rules, compute_rules
 
@@ -124,7 +125,7 @@ def broadcast_from_root(tree: Any, d: int) -> Any:
 def _shard_grads(cfg: Config, mesh: Mesh, loss_fn: Callable) -> Callable:
     """`(params, rows) -> (loss, grads)` of this rank's rows, unreduced (inside the shard_map)."""
     m = cfg.parallel.microbatches
-    n_tokens = cfg.train.global_batch * cfg.model.seq_len
+    n_tokens = microbatches.loss_tokens(cfg)
     rules = compute_rules(cfg, mesh).without((DATA,))  # the shard_map is manual over data, even of size 1
 
     def grads_of(params, rows):
@@ -134,16 +135,15 @@ def _shard_grads(cfg: Config, mesh: Mesh, loss_fn: Callable) -> Callable:
     def local(params, rows):
         if m == 1:
             return grads_of(params, rows)
-        micro = rows.reshape(m, rows.shape[0] // m, *rows.shape[1:])
-        to_f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
+        micro = microbatches.split(rows, m)
         loss, g = grads_of(params, micro[0])
 
         def body(carry, r):
             acc_loss, acc = carry
             loss, g = grads_of(params, r)
-            return (acc_loss + loss, jax.tree.map(jnp.add, acc, to_f32(g))), None
+            return (acc_loss + loss, microbatches.add_f32(acc, g)), None
 
-        (loss, acc), _ = jax.lax.scan(body, (loss, to_f32(g)), micro[1:])
+        (loss, acc), _ = jax.lax.scan(body, (loss, jax.tree.map(lambda x: x.astype(jnp.float32), g)), micro[1:])
         return loss, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
 
     return local

@@ -53,10 +53,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.model.layers import split_backward, weight_gradient
+from jaxpar.parallel import microbatches
 from jaxpar.parallel.stages import chunk_model, stage_layout
 from jaxpar.parallel.zero import Layout
-from jaxpar.parallel.gradients import Reduction, _seed, gather_at_use, hand_out, manual_region, reduction
-from jaxpar.sharding import Handout, activation_rules, aval_varying_axes, vary, varying_axes, zeros_like_varying
+from jaxpar.parallel.gradients import Reduction, _gather, _seed, hand_out, manual_region, mark_for_use, reduction
+from jaxpar.sharding import activation_rules, aval_varying_axes, vary, varying_axes, zeros_like_varying
 
 DATA, STAGE, MODEL = "data", "stage", "model"
 
@@ -179,19 +180,18 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     setup = Setup(
         cfg=cfg, layout=layout, table=table, loss_sum=loss_sum, poison_idle=poison_idle, p=p, v=v, t=t,
         d=mesh.shape[DATA], m=cfg.parallel.microbatches, slots=slots, chunk_cfg=chunk_cfg,
-        n_tokens=cfg.train.global_batch * cfg.model.seq_len, sp=cfg.parallel.sequence_parallel and t > 1,
+        n_tokens=microbatches.loss_tokens(cfg), sp=cfg.parallel.sequence_parallel and t > 1,
         data_axes=(DATA,) if dp else (),
         # ZeRO-2, per microbatch: every B reduce-scatters its sharded gradients where they arise (a
-        # seed per leaf, `jaxpar.parallel.gradients.Handout`), and the accumulator holds shards only.
+        # seed per leaf, `jaxpar.sharding.Handout`), and the accumulator holds shards only.
         reduction=reduction(cfg, mesh.shape[DATA], p),
         # Interleaved chunks travel round the ring (the last stage's chunk k feeds stage 0's chunk k+1).
         fwd_pairs=tuple((i, (i + 1) % p) for i in range(p if v > 1 else p - 1)),
         bwd_pairs=tuple(((i + 1) % p, i) for i in range(p if v > 1 else p - 1)))
     manual, rules, tp = manual_region(cfg, mesh, STAGE)
-    names = model.param_names(cfg.model)
 
     def local(params, batch):
-        return _stage_step(setup, mesh, rules, tp, names, params, batch)
+        return _stage_step(setup, mesh, rules, tp, params, batch)
 
     batch_spec = P(DATA) if dp else P()
     in_specs, out_specs = layout.manual_specs("params", manual), layout.manual_specs("grads", manual)
@@ -210,7 +210,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     return interleaved
 
 
-def _stage_step(setup: Setup, mesh: Mesh, rules, tp, names, params, batch):
+def _stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
     """One stage's whole step inside the shard_map: its parameters made ready (layer slots,
     gathers), the tick loop over the table (`StageRun.tick`), and the one reduction after it."""
     layout, p, gather = setup.layout, setup.p, setup.gather
@@ -224,8 +224,7 @@ def _stage_step(setup: Setup, mesh: Mesh, rules, tp, names, params, batch):
     params = {k: w if k == "blocks" else jax.tree.map(_gather_stage, w, layout.stage_dims[k],
                                                          is_leaf=lambda x: x is None or isinstance(x, int))
               for k, w in params.items()}
-    param_fn = (_gather_at_use(params, names, layout.zero_dims) if gather == "use"
-                else hand_out(layout) if setup.scatter_mb else None)
+    param_fn = hand_out() if gather == "use" or setup.scatter_mb else None
     if gather == "step":  # every sharded leaf once per step, kept for the step
         params = jax.tree.map(_gather, params, layout.zero_dims)
     run = StageRun(setup, stage, params, batch)
@@ -272,7 +271,7 @@ class StageRun:
         # (ZeRO-3's shards, and what was gathered from them, vary over `data` already.)
         self.blocks = jax.tree.map(lambda w: vary(w, s.data_axes), blocks)
         self.shared = jax.tree.map(lambda w: vary(w, (*s.data_axes, STAGE)), shared)
-        self.micro = batch.reshape(s.m, batch.shape[0] // s.m, *batch.shape[1:])
+        self.micro = microbatches.split(batch, s.m)
         b, seq = self.micro.shape[1], self.micro.shape[2] - 1
         self.act_shape = (b, seq // s.t if s.sp else seq, cfg.model.d_model)
         self.act_axes = (*s.data_axes, STAGE, *((MODEL,) if s.sp else ()))
@@ -326,9 +325,12 @@ class StageRun:
         return jax.tree.map(lambda w, dim, s: _seed(w, dim, self.s.d) if s else w, self.shared, self.shared_dims,
                             self.shared_mask)
 
-    @staticmethod
-    def handed(diff, full, mask):
-        return jax.tree.map(lambda dd, w, s: Handout(w, dd) if s else dd, diff, full, mask)
+    def handed_blocks(self, diff, full):
+        """One chunk's blocks as `hand_out` receives them (`gradients.mark_for_use`)."""
+        return mark_for_use(self.s.reduction, diff, full, self.block_dims)
+
+    def handed_shared(self, diff):
+        return mark_for_use(self.s.reduction, diff, self.shared, self.shared_dims)
 
     def ends(self, k):
         """Does this (stage, local chunk) hold the first / the last chunk of the model?"""
@@ -358,9 +360,9 @@ class StageRun:
         split = self.s.table.split
 
         def f(rest, sh, x, tap_in):
-            bl = self.handed(self.unflat({**fixed, **rest}), full_bl, self.block_mask)
+            bl = self.handed_blocks(self.unflat({**fixed, **rest}), full_bl)
             with split_backward(tap_in) if split else contextlib.nullcontext():
-                return self.chunk_forward(bl, self.handed(sh, self.shared, self.shared_mask), x, tokens,
+                return self.chunk_forward(bl, self.handed_shared(sh), x, tokens,
                                           self.ends(k)[0], k)
 
         y, pullback = jax.vjp(f, rest, sh, x_in, self.zero_taps() if split else None)
@@ -392,7 +394,7 @@ class StageRun:
         def head():
             sh = self.diff_shared()
             loss, pull = jax.vjp(lambda sh, y: s.loss_sum(
-                model.bind(s.chunk_cfg, self.handed(sh, self.shared, self.shared_mask)).head(y), targets) / s.n_tokens,
+                model.bind(s.chunk_cfg, self.handed_shared(sh)).head(y), targets) / s.n_tokens,
                 sh, y)
             dsh, dy = pull(jnp.ones_like(loss))
             return loss, dsh, dy
@@ -447,7 +449,9 @@ class StageRun:
         z = rows["f_mb"][0][self.stage] * 0  # an index that varies over `stage` as the tick's do
         if table.split:  # the taps' shapes, from a recording trace of the chunk
             with split_backward(None) as rec:
-                jax.make_jaxpr(lambda x: self.chunk_forward(self.chunk_params(z), self.shared, x,
+                full_bl = self.chunk_params(z)
+                jax.make_jaxpr(lambda x: self.chunk_forward(self.handed_blocks(self.diff_blocks(full_bl), full_bl),
+                                                            self.handed_shared(self.diff_shared()), x,
                                                             self.micro[z, :, :-1], z > 0, z))(self.zeros(self.act_shape))
             for k_, (xs, xd, gs, gd, ax, ws) in rec.shapes.items():
                 taps[k_] = (xs, xd, gs, gd, tuple(sorted({*ax, *s.data_axes, STAGE})), ws)
@@ -469,11 +473,10 @@ class StageRun:
         self.packing = _pack(items, [(s_.shape[1:], s_.dtype, varying_axes(s_)) for s_ in stash])
         wstash = {key: self.zeros((table.wstash, *items[key][0]), items[key][1], items[key][2])
                   for key in items if key not in self.packing}
-        f32_like = lambda tree: jax.tree.map(lambda w: zeros_like_varying(w).astype(jnp.float32), tree)  # noqa: E731
-        g_blocks = self.flat(f32_like(jax.tree.map(lambda w, dim, m: _seed(w, dim + 1, s.d) if m else w,
+        g_blocks = self.flat(microbatches.f32_zeros(jax.tree.map(lambda w, dim, m: _seed(w, dim + 1, s.d) if m else w,
                                                    self.blocks, self.block_dims, self.block_mask)))
         return Carry(self.zeros((table.fwd_slots, *self.act_shape)), self.zeros((table.bwd_slots, *self.act_shape)),
-                     stash, wstash, g_blocks, f32_like(self.diff_shared()),
+                     stash, wstash, g_blocks, microbatches.f32_zeros(self.diff_shared()),
                      self.zeros((), jnp.float32, (*s.data_axes, STAGE)))
 
     def tick(self, carry: Carry, row):
@@ -547,8 +550,7 @@ class StageRun:
         f_slot = row["f_stash"][stage]
         stash = jax.lax.cond(fv > 0, lambda st: tuple(x.at[f_slot].set(after(n).reshape(-1)) for x, n in zip(st, saved)),
                              lambda st: st, stash)  # (a cond, not a select: see `_write_items`)
-        g_shared = jax.tree.map(lambda a, g1, g2: a + g1.astype(jnp.float32) + g2.astype(jnp.float32),
-                                g_shared, dsh_f, dsh_b)
+        g_shared = microbatches.add_f32(g_shared, dsh_f, dsh_b)
         # One hop per tick: activations to the next stage, gradients to the previous one; the
         # table says which slot each arrival lands in (-1: nothing arrives).
         recv_f = jax.lax.ppermute(y, STAGE, s.fwd_pairs)
@@ -636,45 +638,6 @@ def _reduce_stage(g: jax.Array, dim: int | None) -> jax.Array:
 def _param_leaves(*trees) -> list:
     """The leaves of parameter trees, in order: F matches its residuals against them by identity."""
     return [w for tree in trees for w in jax.tree.leaves(tree)]
-
-
-def _gather(w: jax.Array, dim: int | None) -> jax.Array:
-    """A ZeRO-3 shard all-gathered over `data` along its sharded dim (a replicated leaf as is)."""
-    return w if dim is None else jax.lax.all_gather(w, DATA, axis=dim, tiled=True)
-
-
-def _gather_at_use(params, names, zero_dims) -> Callable:
-    """The `use_params` hook of ZeRO-3 per-use gathering inside the pipeline's shard_map: a
-    parameter handed to a layer (per layer: names without `layers`) or to the embedding / head is
-    all-gathered if it is a data shard. Shards are recognised by (logical names, local shape),
-    the only things a hook sees; a replicated leaf with the same key would be ambiguous and is
-    refused (no model of jaxpar has one)."""
-    sharded, replicated = {}, set()
-
-    def index(tree, name_tree, dims, per_layer):
-        for w, n, dim in zip(jax.tree.leaves(tree), jax.tree.leaves(name_tree, is_leaf=_is_names),
-                             jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, int)), strict=True):
-            key = (tuple(n[per_layer:]), tuple(w.shape[per_layer:]))
-            if dim is None:
-                replicated.add(key)
-            else:
-                sharded[key] = dim - per_layer
-
-    index(params["blocks"], names["blocks"], zero_dims["blocks"], 1)
-    for k in params:
-        if k != "blocks":
-            index(params[k], names[k], zero_dims[k], 0)
-    if ambiguous := replicated & set(sharded):
-        raise ValueError(f"ZeRO-3 in the pipeline: sharded and replicated parameters share (names, shape) "
-                         f"{sorted(ambiguous)}")
-
-    def use(x: jax.Array, n: tuple[str, ...], cast) -> jax.Array:
-        return gather_at_use(x, sharded.get((tuple(n), tuple(x.shape))), cast)
-    return use
-
-
-def _is_names(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
 def _by_kind(slots, blocks, dims, fn):

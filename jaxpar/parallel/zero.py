@@ -65,16 +65,11 @@ class Layout:
     grads: Any
     moments: Any
     zero_dims: Any
-    gather_dims: dict  # (names, shape of a shard) -> its data-sharded dim, for a shard met by name
     stage_dims: Any = None  # per leaf, the dim sharded over `stage` (shared leaves of a pipeline) or None
     # Per leaf, whether its storage splits it over `data` already (MoE expert parallelism): each
     # data rank holds its own experts (or, with more ranks than experts, a slice of every expert),
     # whose gradients are complete there and never reduced.
     experts: Any = None
-
-    def gather_dim(self, names: tuple[str, ...], shard_shape: tuple[int, ...]) -> int:
-        """The data-sharded dim of a parameter shard with logical `names` (one layer's, or stacked)."""
-        return self.gather_dims[(tuple(names), tuple(shard_shape))]
 
     def manual_specs(self, which: str, axes: set[str]) -> Any:
         """Specs of `which` ("params" or "grads") restricted to the manual `axes` of a shard_map."""
@@ -142,13 +137,12 @@ def make_layout(cfg: Config, mesh: Mesh, names: Any, shapes: Any) -> Layout:
     # DeepSpeed stage 1, Megatron's distributed optimizer); ZeRO-1 and 2 differ in whether the
     # full gradient is accumulated before its reduction (`jaxpar.parallel.gradients`).
     moments = stage(1)
-    gather_dims = _gather_dims(names, shapes, moments, dims, mesh)  # (as the pipeline meets them: stage-gathered)
     sdims = jax.tree.map(lambda n, s, b, d: _stage_dim(n, s.shape, split(_with_data(b, d)), d, p, min_elements,
                                                        slots),
                          names, shapes, base, dims, is_leaf=_is_names)
     with_stage = lambda tree: jax.tree.map(_with_stage, tree, sdims, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
     return Layout(zero=zero, params=with_stage(stage(3)), grads=with_stage(moments), moments=with_stage(moments),
-                  zero_dims=dims, gather_dims=gather_dims, stage_dims=sdims, experts=experts)
+                  zero_dims=dims, stage_dims=sdims, experts=experts)
 
 
 def _axes_of(spec: P) -> tuple[str, ...]:
@@ -197,28 +191,6 @@ def _with_stage(spec: P, dim: int | None) -> P:
     current = axes[dim]
     axes[dim] = "stage" if current is None else ((current,) if isinstance(current, str) else tuple(current)) + ("stage",)
     return P(*axes)
-
-
-def _gather_dims(names: Any, shapes: Any, specs: Any, dims: Any, mesh: Mesh) -> dict:
-    """Index the data-sharded dim of every parameter shard (its shape with the data split, as ZeRO-3
-    stores it and as ZeRO-1/2's gradient seeds have it) by (names, shard shape), for the stacked
-    leaf and for one layer of it (names without `layers`). Two leaves with the same key must agree."""
-    out: dict = {}
-    flat_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, int))
-    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    for n, s, spec, d in zip(jax.tree.leaves(names, is_leaf=_is_names), jax.tree.leaves(shapes), flat_specs,
-                             flat_dims):
-        if d is None:
-            continue
-        shard = tuple(x // math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax or ()))
-                      for x, ax in zip(s.shape, spec))
-        keys = [((tuple(n), shard), d)]
-        if n and n[0] == "layers":
-            keys.append(((tuple(n[1:]), shard[1:]), d - 1))
-        for key, dim in keys:
-            if out.setdefault(key, dim) != dim:
-                raise ValueError(f"ZeRO layout: shards {key} are sharded on different dims")
-    return out
 
 
 def _refuse_replicated(names, shapes, dims, data, min_elements, experts) -> None:
