@@ -66,6 +66,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "from the executor's)")
     p.add_argument("--stage-layers", default=None,
                    help="parallel.stage_layers of the pipelined step, comma-separated (e.g. 1,3,3,1; default even)")
+    p.add_argument("--dp-microbatches", type=int, default=1,
+                   help="parallel.microbatches of the data-parallel step (default 1; m/4 gives each of its "
+                        "matmuls the pipeline's microbatch of 2 sequences, separating microbatching's cost)")
     p.add_argument("--quick", action="store_true", help="smoke run: m = 4, a small model, 1 and 3 steps, nothing written")
     p.add_argument("--out", default=None, help="JSON output (default: benchmarks/results/pipeline_work_cpu.json)")
     for name in SHAPES:
@@ -93,6 +96,8 @@ def worker(args) -> int:
         cfg = jaxpar_config(args, args.microbatches, args.schedule if args.worker == "pipe" else None)
         if args.worker == "pipe" and args.stage_layers:
             cfg = cfg.replace(parallel={"stage_layers": [int(c) for c in args.stage_layers.split(",")]})
+        if args.worker == "dp" and args.dp_microbatches > 1:
+            cfg = cfg.replace(parallel={"microbatches": args.dp_microbatches})
     except ConfigError as e:
         say("refused", reason=str(e))
         return 0
@@ -148,6 +153,7 @@ class Worker:
                "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
         cmd += ["--pool", str(args.pool)] if args.pool else []
         cmd += ["--stage-layers", args.stage_layers] if args.stage_layers else []
+        cmd += ["--dp-microbatches", str(args.dp_microbatches)]
         cmd += [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in SHAPES]
         env = dict(os.environ)
         for var in ("PJRT_NPROC", "NPROC", "XLA_FLAGS"):
@@ -228,7 +234,8 @@ def main(argv: list[str]) -> int:
           f"|---|---|---:|---:|---:|---:|")
     split = f", stage_layers {args.stage_layers}" if args.stage_layers else ""
     for kind, label in (("pipe", f"pipelined ({args.schedule}, m = {args.microbatches}{split})"),
-                        ("dp", "data-parallel ZeRO-0")):
+                        ("dp", "data-parallel ZeRO-0" + (f", m = {args.dp_microbatches}"
+                                                         if args.dp_microbatches > 1 else ""))):
         r = ready[kind]
         mesh = ", ".join(str(r["mesh"][a]) for a in ("data", "stage", "model"))
         print(f"| {label} | ({mesh}) | {cpu[kind]:.3f} | {wall[kind]:.3f} | {r['pool_threads']} | "
@@ -243,7 +250,7 @@ def main(argv: list[str]) -> int:
         "model": {"arch": "llama", **{k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in SHAPES},
                   "dtype": "float32", "remat": "none"},
         "pool": args.pool, "schedule": args.schedule, "stage_layers": args.stage_layers,
-        "microbatches": args.microbatches, "microbatch_sequences": MICRO,
+        "microbatches": args.microbatches, "microbatch_sequences": MICRO, "dp_microbatches": args.dp_microbatches,
         "global_batch": MICRO * args.microbatches, "devices": P,
         "short": args.short, "long": args.long, "repeats": args.repeats, "warmup": args.warmup,
         "cpu_s_per_step": cpu, "wall_s_per_step": wall, "ratio_cpu_pipe_over_dp": ratio,

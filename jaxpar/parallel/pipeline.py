@@ -255,9 +255,9 @@ class StageRun:
 
     F saves what B needs: the residuals of the chunk's `jax.vjp` (what the remat policy keeps),
     less the parameters among them (B takes those from the parameters themselves, so the stash
-    holds activations only). `residuals` is fixed by the first trace of F. With a split table the
-    weight matmuls are not differentiated: they take taps, whose cotangents (input, output
-    cotangent) I saves for W (`jaxpar.model.layers.split_backward`)."""
+    holds activations only). `residuals` is fixed by the abstract trace of F in `initial_carry`.
+    With a split table the weight matmuls are not differentiated: they take taps, whose cotangents
+    (input, output cotangent) I saves for W (`jaxpar.model.layers.split_backward`)."""
 
     def __init__(self, setup: Setup, stage: jax.Array, params: dict, batch: jax.Array):
         s, layout, cfg = setup, setup.layout, setup.cfg
@@ -457,7 +457,6 @@ class StageRun:
                 taps[k_] = (xs, xd, gs, gd, tuple(sorted({*ax, *s.data_axes, STAGE})), ws)
         # The stash's leaves: shapes (and manual-axis types) from an abstract trace of F.
         saved_avals = jax.make_jaxpr(lambda x: self.forward(x, z, z)[1])(self.zeros(self.act_shape)).out_avals
-        self.residuals.clear()
         # (A stash slot varies over `stage`, whatever its value does: the tables differ per stage.)
         # Each leaf's slots are stored flat, [slots, size] (I writes W's inputs into a slot by
         # offset; a reshaped view of the loop's carry there made XLA copy the whole buffer).
@@ -480,7 +479,8 @@ class StageRun:
                      self.zeros((), jnp.float32, (*s.data_axes, STAGE)))
 
     def tick(self, carry: Carry, row):
-        """One tick of the table on this stage: F, then B or I, then W (as the row says), one
+        """One tick of the table on this stage: B or I, then W, then F (as the row says; F last,
+        so that its residuals go into its stash slot inside its own cond, DESIGN.md §5.3), one
         hop each way, and the arrivals into their buffer slots."""
         s, stage, taps, table = self.s, self.stage, self.taps, self.s.table
         stash_shapes, packing = self.stash_shapes, self.packing
@@ -492,18 +492,6 @@ class StageRun:
         if s.poison_idle:
             x_f = jnp.where(fv > 0, x_f, jnp.nan)
 
-        # F first in the trace (it fixes the residuals' structure B unflattens); the program's
-        # order is its data flow: B reads the stash before F's write replaces a freed slot.
-        def run_f():
-            y, saved, dsh, loss = self.forward(x_f, fmb, fk)
-            return y, tuple(vary(n, varying_axes(g)) for n, g in zip(saved, stash)), dsh, loss
-
-        y, saved, dsh_f, loss = jax.lax.cond(
-            fv > 0, run_f,
-            lambda: (zeros_like_varying(x_f), tuple(zeros_like_varying(g[0]).reshape(sh_)
-                                                    for g, sh_ in zip(stash, stash_shapes)),
-                     jax.tree.map(zeros_like_varying, self.diff_shared()),
-                     self.zeros((), jnp.float32, (*s.data_axes, STAGE))))
         saved_b = tuple(g[row["b_stash"][stage] + row["i_stash"][stage]].reshape(sh_)
                         for g, sh_ in zip(stash, stash_shapes))
         if s.poison_idle:
@@ -547,9 +535,22 @@ class StageRun:
             new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
             stash, wstash = _write_items(stash, wstash, packing, new, iv > 0, row["i_stash"][stage],
                                          row["i_wstash"][stage], after)
+        # F last, its residuals written into its slot inside its own cond: a tick without F
+        # neither fills a slot's worth of zeros nor writes (B has read its slot above: a slot B
+        # frees may be the one F fills in the same tick). The residuals' structure B unflattens
+        # was fixed by `initial_carry`'s trace of F.
         f_slot = row["f_stash"][stage]
-        stash = jax.lax.cond(fv > 0, lambda st: tuple(x.at[f_slot].set(after(n).reshape(-1)) for x, n in zip(st, saved)),
-                             lambda st: st, stash)  # (a cond, not a select: see `_write_items`)
+
+        def run_f(stash):
+            y, saved, dsh, loss = self.forward(x_f, fmb, fk)
+            saved = tuple(vary(n, varying_axes(g)) for n, g in zip(saved, stash))
+            return y, tuple(x.at[f_slot].set(after(n).reshape(-1)) for x, n in zip(stash, saved)), dsh, loss
+
+        y, stash, dsh_f, loss = jax.lax.cond(
+            fv > 0, run_f,
+            lambda stash: (zeros_like_varying(x_f), stash, jax.tree.map(zeros_like_varying, self.diff_shared()),
+                           self.zeros((), jnp.float32, (*s.data_axes, STAGE))),
+            stash)
         g_shared = microbatches.add_f32(g_shared, dsh_f, dsh_b)
         # One hop per tick: activations to the next stage, gradients to the previous one; the
         # table says which slot each arrival lands in (-1: nothing arrives).
