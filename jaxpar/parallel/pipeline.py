@@ -500,17 +500,29 @@ class StageRun:
         cot = bwd_buf[row["b_in"][stage] + row["i_in"][stage]]
 
         # The gradients accumulate inside the action's cond: an idle tick neither fills zeros
-        # nor adds them to the float32 accumulators.
-        def run_b(acc):
+        # nor adds them to the float32 accumulators. I writes W's pairs into its stash slot
+        # inside the same cond (a tick without I fills no taps' worth of zeros), unless the
+        # split table also holds fused Bs, whose W runs at once from the pairs (below).
+        split_i = table.split and not table.rows["b_valid"].any()
+
+        def run_b(acc, bufs):
             d_rest, dsh, dx, d_taps = self.backward(saved_b, cot, bk)
             d_taps = {k_: tuple(vary(a, taps[k_][4]) for a in xg) for k_, xg in (d_taps or {}).items()}
-            return self.add(acc, d_rest, bk), dsh, dx, d_taps
+            if split_i:
+                new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
+                bufs = _write_now(bufs, packing, new, row["i_stash"][stage], row["i_wstash"][stage], _after(dx))
+                d_taps = {}
+            return self.add(acc, d_rest, bk), dsh, dx, d_taps, bufs
 
-        def no_b(acc):
-            return acc, jax.tree.map(zeros_like_varying, self.diff_shared()), zeros_like_varying(x_f), self.zero_taps()
+        def no_b(acc, bufs):
+            return (acc, jax.tree.map(zeros_like_varying, self.diff_shared()), zeros_like_varying(x_f),
+                    {} if split_i else self.zero_taps(), bufs)
 
-        acc_rest, dsh_b, dx, d_taps = jax.lax.cond(bv + iv > 0, run_b, no_b,
-                                                    {k_: a for k_, a in g_blocks.items() if k_ not in taps})
+        acc_rest, dsh_b, dx, d_taps, bufs = jax.lax.cond(
+            bv + iv > 0, run_b, no_b, {k_: a for k_, a in g_blocks.items() if k_ not in taps},
+            (tuple(stash), wstash) if split_i else ())
+        if split_i:
+            stash, wstash = bufs
         g_blocks = {**g_blocks, **acc_rest}
         dw = {}
         if table.split:
@@ -531,7 +543,7 @@ class StageRun:
         # XLA keeps a copy of the whole buffer): I's outputs for W into its own slot, over the
         # residuals it has consumed (and the wstash), then F's residuals into its slot.
         after = _after(dx, *dw.values())
-        if table.split:
+        if table.split and not split_i:
             new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
             stash, wstash = _write_items(stash, wstash, packing, new, iv > 0, row["i_stash"][stage],
                                          row["i_wstash"][stage], after)
@@ -611,18 +623,21 @@ def _read_items(stash, wstash, packing, slot, wslot) -> dict:
     return out
 
 
-def _write_items(stash, wstash, packing, new, valid, slot, wslot, after):
-    """I's outputs for W written into its stash slot (where `_pack` put them) and its wstash slot.
-    (Under a cond, not as a select with the slot's old contents: reading those, XLA copied every
-    packed stash buffer twice per tick.)"""
-    def write(bufs):
-        stash, wstash = list(bufs[0]), dict(bufs[1])
-        for key, (i, off, _) in packing.items():
-            stash[i] = jax.lax.dynamic_update_slice(stash[i], after(new[key]).reshape(1, -1), (slot, off))
-        wstash = {key: buf.at[wslot].set(after(new[key])) for key, buf in wstash.items()}
-        return tuple(stash), wstash
+def _write_now(bufs, packing, new, slot, wslot, after):
+    """I's outputs for W written into its stash slot (where `_pack` put them) and its wstash slot:
+    `bufs` = (stash, wstash) -> the same, updated in place."""
+    stash, wstash = list(bufs[0]), dict(bufs[1])
+    for key, (i, off, _) in packing.items():
+        stash[i] = jax.lax.dynamic_update_slice(stash[i], after(new[key]).reshape(1, -1), (slot, off))
+    wstash = {key: buf.at[wslot].set(after(new[key])) for key, buf in wstash.items()}
+    return tuple(stash), wstash
 
-    return jax.lax.cond(valid, write, lambda bufs: bufs, (tuple(stash), wstash))
+
+def _write_items(stash, wstash, packing, new, valid, slot, wslot, after):
+    """`_write_now` under a cond on `valid`. (Not as a select with the slot's old contents:
+    reading those, XLA copied every packed stash buffer twice per tick.)"""
+    return jax.lax.cond(valid, lambda bufs: _write_now(bufs, packing, new, slot, wslot, after), lambda bufs: bufs,
+                        (tuple(stash), wstash))
 
 
 def _gather_stage(w: jax.Array, dim: int | None) -> jax.Array:
