@@ -358,7 +358,8 @@ def use_params(tree: Any, names: Any) -> Any:
         return checkpoint_name(y, PARAMS_TAG)
 
     return jax.tree.map(hand_out, tree, names,
-                        is_leaf=lambda x: isinstance(x, (Handout, Shard)) or (isinstance(x, tuple) and all(isinstance(a, str) for a in x)))
+                        is_leaf=lambda x: isinstance(x, (Handout, Shard))
+                        or (isinstance(x, tuple) and all(isinstance(a, str) for a in x)))
 
 
 # --------------------------------------------------------------------------------------------

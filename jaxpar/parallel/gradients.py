@@ -123,7 +123,7 @@ def mark_for_use(red: Reduction, diff, full, dims):
     use, a `Handout` of each sharded leaf of `full` with its seed from `diff`; where it gathers
     ZeRO-3's shards at use, each shard of `diff` as a `Shard`; else `diff` as is. `dims` are the
     leaves' ZeRO dims (`Layout.zero_dims`, a stack's: they count from the end once marked)."""
-    scatter, gather = red.at_use and red.zero in (1, 2), red.gather == "use"
+    scatter, gather = red.scatter, red.gather == "use"
 
     def one(dd, w, dim):
         if dim is None or not (scatter or gather):
@@ -167,6 +167,13 @@ class Reduction:
     @property
     def dp(self) -> bool:
         return self.data > 1
+
+    @property
+    def scatter(self) -> bool:
+        """ZeRO-1/2 reduce-scatter at use: each sharded leaf is handed out with a zero seed
+        (`Handout`) whose gradient receives its reduced shard (in a pipeline: ZeRO-2 per microbatch,
+        in every B)."""
+        return self.at_use and self.zero in (1, 2)
 
     def describe(self) -> str:
         """The policy in words (the CLI's `gradients:` line)."""
@@ -236,7 +243,7 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     # Otherwise no hook: `use_params` still hands matrices out in the compute dtype (`recast`).
     param_fn = hand_out(upcast=master) if at_use else None
     # ZeRO-1/2 leaves sharded over data: handed out with a seed when reduced at use.
-    scatter = jax.tree.map(lambda dim: at_use and zero in (1, 2) and dim is not None, layout.zero_dims,
+    scatter = jax.tree.map(lambda dim: red.scatter and dim is not None, layout.zero_dims,
                            is_leaf=lambda x: x is None or isinstance(x, int))
 
     def grads_of(diff, params, rows):

@@ -4,9 +4,10 @@ one divisor, and the float32 accumulator their gradients add into. The parameter
 (ZeRO-1/2's seeds, ZeRO-3's marked shards) is shared too: `gradients.mark_for_use` and
 `gradients.hand_out`.
 
-Accumulation is not the pipeline executor at p = 1 (DESIGN.md §4, "What the executors share"): the executor's tick pays
-for its hops, conds and stash slots, and it reduces after its loop, where one data-parallel
-microbatch reduces per layer inside the backward pass (DDP's overlap).
+Accumulation is not the pipeline executor at p = 1 (DESIGN.md §4, "What the executors share"): the
+executor's tick pays for its hops, conds and stash slots, and it reduces after its loop, where one
+data-parallel microbatch reduces per layer inside the backward pass (DDP's overlap). Naive DP uses
+the same pieces.
 """
 
 from __future__ import annotations

@@ -145,11 +145,6 @@ class Setup:
     def gather(self) -> str | None:
         return self.reduction.gather
 
-    @property
-    def scatter_mb(self) -> bool:
-        """ZeRO-2 reduce-scatters in every B, where its seed is transposed (per microbatch)."""
-        return self.zero == 2 and self.reduction.at_use
-
     def reduce_data(self, g: jax.Array, dim: int | None) -> jax.Array:
         """The data-axis reduction after the loop of one gradient whose ZeRO dim is `dim`."""
         if not self.dp:
@@ -224,7 +219,7 @@ def _stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
     params = {k: w if k == "blocks" else jax.tree.map(_gather_stage, w, layout.stage_dims[k],
                                                          is_leaf=lambda x: x is None or isinstance(x, int))
               for k, w in params.items()}
-    param_fn = hand_out() if gather == "use" or setup.scatter_mb else None
+    param_fn = hand_out() if setup.reduction.at_use else None  # (ZeRO-3 gathers or ZeRO-2 scatters at use)
     if gather == "step":  # every sharded leaf once per step, kept for the step
         params = jax.tree.map(_gather, params, layout.zero_dims)
     run = StageRun(setup, stage, params, batch)
@@ -280,8 +275,9 @@ class StageRun:
         is_dim = lambda x: x is None or isinstance(x, int)  # noqa: E731
         self.block_dims = layout.zero_dims["blocks"]
         self.shared_dims = {k: layout.zero_dims[k] for k in shared}
-        self.block_mask = jax.tree.map(lambda dim: s.scatter_mb and dim is not None, self.block_dims, is_leaf=is_dim)
-        self.shared_mask = {k: jax.tree.map(lambda dim: s.scatter_mb and dim is not None, layout.zero_dims[k],
+        self.block_mask = jax.tree.map(lambda dim: s.reduction.scatter and dim is not None, self.block_dims,
+                                       is_leaf=is_dim)
+        self.shared_mask = {k: jax.tree.map(lambda dim: s.reduction.scatter and dim is not None, layout.zero_dims[k],
                                             is_leaf=is_dim) for k in shared}
         # Block leaves as a flat dict keyed by their path (the split backward's taps are keyed so).
         one = jax.tree.map(lambda w: w[0], self.blocks)
@@ -450,9 +446,11 @@ class StageRun:
         if table.split:  # the taps' shapes, from a recording trace of the chunk
             with split_backward(None) as rec:
                 full_bl = self.chunk_params(z)
-                jax.make_jaxpr(lambda x: self.chunk_forward(self.handed_blocks(self.diff_blocks(full_bl), full_bl),
-                                                            self.handed_shared(self.diff_shared()), x,
-                                                            self.micro[z, :, :-1], z > 0, z))(self.zeros(self.act_shape))
+
+                def chunk(x):
+                    return self.chunk_forward(self.handed_blocks(self.diff_blocks(full_bl), full_bl),
+                                              self.handed_shared(self.diff_shared()), x, self.micro[z, :, :-1], z > 0, z)
+                jax.make_jaxpr(chunk)(self.zeros(self.act_shape))
             for k_, (xs, xd, gs, gd, ax, ws) in rec.shapes.items():
                 taps[k_] = (xs, xd, gs, gd, tuple(sorted({*ax, *s.data_axes, STAGE})), ws)
         # The stash's leaves: shapes (and manual-axis types) from an abstract trace of F.
@@ -472,8 +470,9 @@ class StageRun:
         self.packing = _pack(items, [(s_.shape[1:], s_.dtype, varying_axes(s_)) for s_ in stash])
         wstash = {key: self.zeros((table.wstash, *items[key][0]), items[key][1], items[key][2])
                   for key in items if key not in self.packing}
-        g_blocks = self.flat(microbatches.f32_zeros(jax.tree.map(lambda w, dim, m: _seed(w, dim + 1, s.d) if m else w,
-                                                   self.blocks, self.block_dims, self.block_mask)))
+        g_blocks = self.flat(microbatches.f32_zeros(
+            jax.tree.map(lambda w, dim, m: _seed(w, dim + 1, s.d) if m else w, self.blocks, self.block_dims,
+                         self.block_mask)))
         return Carry(self.zeros((table.fwd_slots, *self.act_shape)), self.zeros((table.bwd_slots, *self.act_shape)),
                      stash, wstash, g_blocks, microbatches.f32_zeros(self.diff_shared()),
                      self.zeros((), jnp.float32, (*s.data_axes, STAGE)))
