@@ -491,11 +491,6 @@ class StageRun:
         if s.poison_idle:
             x_f = jnp.where(fv > 0, x_f, jnp.nan)
 
-        saved_b = tuple(g[row["b_stash"][stage] + row["i_stash"][stage]].reshape(sh_)
-                        for g, sh_ in zip(stash, stash_shapes))
-        if s.poison_idle:
-            saved_b = tuple(jnp.where(bv + iv > 0, x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x
-                            for x in saved_b)
         cot = bwd_buf[row["b_in"][stage] + row["i_in"][stage]]
 
         # The gradients accumulate inside the action's cond: an idle tick neither fills zeros
@@ -505,21 +500,25 @@ class StageRun:
         split_i = table.split and not table.rows["b_valid"].any()
 
         def run_b(acc, bufs):
+            # (The stash slot is read here, not before the cond: a slice of every residual leaf,
+            # megabytes, copied on every tick would cost more than the matmuls of an idle tick.)
+            saved_b = tuple(g[row["b_stash"][stage] + row["i_stash"][stage]].reshape(sh_)
+                            for g, sh_ in zip(bufs[0], stash_shapes))
             d_rest, dsh, dx, d_taps = self.backward(saved_b, cot, bk)
             d_taps = {k_: tuple(vary(a, taps[k_][4]) for a in xg) for k_, xg in (d_taps or {}).items()}
             if split_i:
                 new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
                 bufs = _write_now(bufs, packing, new, row["i_stash"][stage], row["i_wstash"][stage], _after(dx))
                 d_taps = {}
-            return self.add(acc, d_rest, bk), dsh, dx, d_taps, bufs
+            return self.add(acc, d_rest, bk), dsh, dx, d_taps, bufs if split_i else ()
 
         def no_b(acc, bufs):
             return (acc, jax.tree.map(zeros_like_varying, self.diff_shared()), zeros_like_varying(x_f),
-                    {} if split_i else self.zero_taps(), bufs)
+                    {} if split_i else self.zero_taps(), bufs if split_i else ())
 
         acc_rest, dsh_b, dx, d_taps, bufs = jax.lax.cond(
             bv + iv > 0, run_b, no_b, {k_: a for k_, a in g_blocks.items() if k_ not in taps},
-            (tuple(stash), wstash) if split_i else ())
+            (tuple(stash), wstash if split_i else {}))
         if split_i:
             stash, wstash = bufs
         g_blocks = {**g_blocks, **acc_rest}
@@ -530,13 +529,13 @@ class StageRun:
             zero_w = lambda: {k_: zeros_like_varying(g_blocks[k_][0]) for k_ in taps}  # noqa: E731
             if table.rows["b_valid"].any():
                 g_blocks = self.add(g_blocks, jax.lax.cond(bv > 0, lambda: self.weight_grads(d_taps), zero_w), bk)
-            got = _read_items(stash, wstash, packing, row["w_stash"][stage], row["w_wstash"][stage])
-
-            def run_w(acc):  # (accumulated inside the cond: idle ticks touch no accumulator)
+            def run_w(acc, bufs):  # (read and accumulated inside the cond: idle ticks touch neither)
+                got = _read_items(*bufs, packing, row["w_stash"][stage], row["w_wstash"][stage])
                 return self.add(acc, self.weight_grads({k_: (got[(k_, 0)], got[(k_, 1)]) for k_ in taps}),
                                 row["w_chunk"][stage])
 
-            dw = jax.lax.cond(wv > 0, run_w, lambda acc: acc, {k_: g_blocks[k_] for k_ in taps})
+            dw = jax.lax.cond(wv > 0, run_w, lambda acc, bufs: acc, {k_: g_blocks[k_] for k_ in taps},
+                              (tuple(stash), wstash))
             g_blocks = {**g_blocks, **dw}
         # Every write of the stash and wstash after every read of them has been consumed (else
         # XLA keeps a copy of the whole buffer): I's outputs for W into its own slot, over the
