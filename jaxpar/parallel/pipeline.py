@@ -433,7 +433,9 @@ class StageRun:
 
     @staticmethod
     def add(acc, grads, k):
-        return {**acc, **{k_: acc[k_].at[k].add(g.astype(jnp.float32)) for k_, g in grads.items()}}
+        # (A dynamic-update-slice of the chunk's row, not `.at[k].add`: XLA lowers that scatter
+        # to a select over the whole row, reading it twice.)
+        return {**acc, **{k_: _set_row(acc[k_], _row(acc[k_], k) + g.astype(jnp.float32), k) for k_, g in grads.items()}}
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -554,7 +556,7 @@ class StageRun:
         def run_f(stash):
             y, saved, dsh, loss = self.forward(x_f, fmb, fk)
             saved = tuple(vary(n, varying_axes(g)) for n, g in zip(saved, stash))
-            return y, tuple(x.at[f_slot].set(after(n).reshape(-1)) for x, n in zip(stash, saved)), dsh, loss
+            return y, tuple(_set_row(x, after(n).reshape(-1), f_slot) for x, n in zip(stash, saved)), dsh, loss
 
         y, stash, dsh_f, loss = jax.lax.cond(
             fv > 0, run_f,
@@ -567,9 +569,20 @@ class StageRun:
         recv_f = jax.lax.ppermute(y, STAGE, s.fwd_pairs)
         recv_b = jax.lax.ppermute(dx, STAGE, s.bwd_pairs)
         rf, rb = row["f_recv"][stage], row["b_recv"][stage]
-        fwd_buf = fwd_buf.at[jnp.maximum(rf, 0)].set(jnp.where(rf >= 0, recv_f, fwd_buf[jnp.maximum(rf, 0)]))
-        bwd_buf = bwd_buf.at[jnp.maximum(rb, 0)].set(jnp.where(rb >= 0, recv_b, bwd_buf[jnp.maximum(rb, 0)]))
+        fwd_buf = _set_row(fwd_buf, jnp.where(rf >= 0, recv_f, _row(fwd_buf, jnp.maximum(rf, 0))), jnp.maximum(rf, 0))
+        bwd_buf = _set_row(bwd_buf, jnp.where(rb >= 0, recv_b, _row(bwd_buf, jnp.maximum(rb, 0))), jnp.maximum(rb, 0))
         return Carry(fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss), None
+
+
+def _row(buf: jax.Array, i: jax.Array) -> jax.Array:
+    """`buf[i]` along the leading dim, `i` traced and in bounds."""
+    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+
+def _set_row(buf: jax.Array, x: jax.Array, i: jax.Array) -> jax.Array:
+    """`buf.at[i].set(x)` as one dynamic-update-slice, in place (`.at[i].set` with a traced index is
+    a scatter, which XLA:CPU runs as a select over the row that reads it as well)."""
+    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
 
 
 def _after(*read_results: jax.Array) -> Callable[[jax.Array], jax.Array]:
@@ -627,7 +640,7 @@ def _write_now(bufs, packing, new, slot, wslot, after):
     stash, wstash = list(bufs[0]), dict(bufs[1])
     for key, (i, off, _) in packing.items():
         stash[i] = jax.lax.dynamic_update_slice(stash[i], after(new[key]).reshape(1, -1), (slot, off))
-    wstash = {key: buf.at[wslot].set(after(new[key])) for key, buf in wstash.items()}
+    wstash = {key: _set_row(buf, after(new[key]), wslot) for key, buf in wstash.items()}
     return tuple(stash), wstash
 
 
