@@ -563,7 +563,10 @@ class StageRun:
             lambda stash: (zeros_like_varying(x_f), stash, jax.tree.map(zeros_like_varying, self.diff_shared()),
                            self.zeros((), jnp.float32, (*s.data_axes, STAGE))),
             stash)
-        g_shared = microbatches.add_f32(g_shared, dsh_f, dsh_b)
+        # Only the first chunk's B (the embedding) and the last chunk's F (the head) have shared
+        # gradients: other ticks add nothing to the vocabulary-sized float32 accumulators.
+        shared_now = ((bv + iv > 0) & self.ends(bk)[0]) | ((fv > 0) & self.ends(fk)[1])
+        g_shared = jax.lax.cond(shared_now, lambda g: microbatches.add_f32(g, dsh_f, dsh_b), lambda g: g, g_shared)
         # One hop per tick: activations to the next stage, gradients to the previous one; the
         # table says which slot each arrival lands in (-1: nothing arrives).
         recv_f = jax.lax.ppermute(y, STAGE, s.fwd_pairs)
