@@ -161,8 +161,9 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     """`(params, batch) -> (loss, grads)` of the global batch through the pipeline.
 
     `loss_sum(logits, targets)` is the summed token loss of a microbatch; it is divided once by
-    the global token count. With `poison_idle`, the inputs of idle slots are NaN (a test that
-    bubbles never leak into gradients).
+    the global token count. With `poison_idle`, the received activation of a tick without F is NaN
+    (a test that bubbles never leak into gradients; B's and W's slot reads happen inside their
+    actions' conds, so an idle tick reads no slot at all).
     """
     p, t = mesh.shape[STAGE], mesh.shape[MODEL]
     v = table.chunks
