@@ -1,23 +1,26 @@
 """Pipeline parallelism over `stage`: one executor that runs any valid schedule table.
 
-Layers are cut into p contiguous chunks (stage s holds layers [s·L/p, (s+1)·L/p): a reshape of
-the canonical `[layers, ...]` parameters, whose `layers` dim the storage rules already place on
+Layers are cut into p contiguous chunks (stage s holds layers [s·L/p, (s+1)·L/p): a reshape of the
+canonical `[layers, ...]` parameters, whose `layers` dim the storage rules already place on
 `stage`). Uneven stages and a mixed model's dense first layers run as layer slots
 (`jaxpar.parallel.stages`): the stacks are then stored with `stage` on another dim, one all-to-all
-hands each stage its slots (`_to_slots`) and an unfilled slot is skipped. The executor is a `lax.scan` over the table's ticks inside one shard_map manual over
-`stage` (and over `data` and `model` where they have more than one shard): `Setup` holds what
-every stage knows before tracing, `_stage_step` is one stage's step, `StageRun.tick` the scan
-body over a `Carry`, and `StageRun.forward` / `backward` / `weight_grads` its actions. In each tick every
-stage looks up its actions: F runs its chunk forward under `jax.vjp` on a received activation
-(the first stage embeds the microbatch's tokens; the last adds the head, the loss and their
-backward) and stashes the residuals the remat policy keeps; B rebuilds the pullback from the
-stash (no second forward) and accumulates its parameter gradients in float32. With a split
-backward, I does B's input-gradient half and writes what W needs (each weight matmul's input
-and output cotangent) into the same stash slot, over residuals it has consumed; W computes the
-weight gradients from there and frees the slot (DESIGN.md §5). One forward and one backward `ppermute` per tick move activations and
-their gradients to the neighbouring stages; received messages wait in small buffers until their
-action's tick. Buffers and stash have the sizes the table declares, so a 1F1B table keeps
-O(p) microbatches of activations whatever m is.
+hands each stage its slots (`_to_slots`) and an unfilled slot is skipped. The executor is a
+`lax.scan` over the table's ticks inside one shard_map manual over `stage` (and over `data` and
+`model` where they have more than one shard): `Setup` holds what every stage knows before tracing,
+`_stage_step` is one stage's step, `StageRun.tick` the scan body over a `Carry`, and
+`StageRun.forward` / `backward` / `weight_grads` its actions. In each tick every stage looks up its
+actions: F runs its chunk forward under `jax.vjp` on a received activation (the first stage embeds
+the microbatch's tokens; the last adds the head, the loss and their backward) and stashes the
+residuals the remat policy keeps; B rebuilds the pullback from the stash (no second forward) and
+accumulates its parameter gradients in float32. With a split backward, I does B's input-gradient
+half and writes what W needs (each weight matmul's input and output cotangent) into the same stash
+slot, over residuals it has consumed; W computes the weight gradients from there and frees the slot
+(DESIGN.md §5). Each action reads its slots, computes and writes inside its own `lax.cond`: an idle
+action reads and writes no slot and adds to no accumulator (its branch returns zeros of the hop's
+message and of the shared leaves' gradients, §5.3). One forward and one backward `ppermute` per
+tick move activations and their gradients to the neighbouring stages; received messages wait in
+small buffers until their action's tick. Buffers and stash have the sizes the table declares, so a
+1F1B table keeps O(p) microbatches of activations whatever m is.
 
 Gradients stay unreduced over `data` inside the tick loop and are reduced once after it
 (DESIGN.md decision 5): all-reduced (ZeRO-0/1) or reduce-scattered (ZeRO-2); the parameters
@@ -436,7 +439,8 @@ class StageRun:
     def add(acc, grads, k):
         # (A dynamic-update-slice of the chunk's row, not `.at[k].add`: XLA lowers that scatter
         # to a select over the whole row, reading it twice.)
-        return {**acc, **{k_: _set_row(acc[k_], _row(acc[k_], k) + g.astype(jnp.float32), k) for k_, g in grads.items()}}
+        return {**acc, **{k_: _set_row(acc[k_], _row(acc[k_], k) + g.astype(jnp.float32), k)
+                          for k_, g in grads.items()}}
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -452,7 +456,8 @@ class StageRun:
 
                 def chunk(x):
                     return self.chunk_forward(self.handed_blocks(self.diff_blocks(full_bl), full_bl),
-                                              self.handed_shared(self.diff_shared()), x, self.micro[z, :, :-1], z > 0, z)
+                                              self.handed_shared(self.diff_shared()), x, self.micro[z, :, :-1],
+                                              z > 0, z)
                 jax.make_jaxpr(chunk)(self.zeros(self.act_shape))
             for k_, (xs, xd, gs, gd, ax, ws) in rec.shapes.items():
                 taps[k_] = (xs, xd, gs, gd, tuple(sorted({*ax, *s.data_axes, STAGE})), ws)
