@@ -15,12 +15,13 @@ residuals the remat policy keeps; B rebuilds the pullback from the stash (no sec
 accumulates its parameter gradients in float32. With a split backward, I does B's input-gradient
 half and writes what W needs (each weight matmul's input and output cotangent) into the same stash
 slot, over residuals it has consumed; W computes the weight gradients from there and frees the slot
-(DESIGN.md §5). Each action reads its slots, computes and writes inside its own `lax.cond`: an idle
-action reads and writes no slot and adds to no accumulator (its branch returns zeros of the hop's
-message and of the shared leaves' gradients, §5.3). One forward and one backward `ppermute` per
-tick move activations and their gradients to the neighbouring stages; received messages wait in
-small buffers until their action's tick. Buffers and stash have the sizes the table declares, so a
-1F1B table keeps O(p) microbatches of activations whatever m is.
+(DESIGN.md §5). Each action reads its stash slot, computes and writes inside its own `lax.cond`: an
+idle action reads and writes no stash slot and adds to no accumulator (only the small
+receive-buffer rows are read every tick; its branch returns zeros of the hop's message and of the
+shared leaves' gradients, §5.3). One forward and one backward `ppermute` per tick move activations
+and their gradients to the neighbouring stages; received messages wait in small buffers until their
+action's tick. Buffers and stash have the sizes the table declares, so a 1F1B table keeps O(p)
+microbatches of activations whatever m is.
 
 Gradients stay unreduced over `data` inside the tick loop and are reduced once after it
 (DESIGN.md decision 5): all-reduced (ZeRO-0/1) or reduce-scattered (ZeRO-2); the parameters
@@ -166,7 +167,7 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     `loss_sum(logits, targets)` is the summed token loss of a microbatch; it is divided once by
     the global token count. With `poison_idle`, the received activation of a tick without F is NaN
     (a test that bubbles never leak into gradients; B's and W's slot reads happen inside their
-    actions' conds, so an idle tick reads no slot at all).
+    actions' conds, so an idle tick reads no stash slot at all).
     """
     p, t = mesh.shape[STAGE], mesh.shape[MODEL]
     v = table.chunks
