@@ -211,8 +211,9 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
       is per layer, reduced gradients are stored in the parameter dtype.
     - activations: the values JAX saves for the backward pass (`saved_activation_bytes`) of one
       microbatch (two with accumulation: see below; pipelines: of one chunk, which F stashes), plus the working set of the backward pass of one layer: its
-      values that were not saved (recomputed) and, without a pipeline, at least half of its saved
-      values again as cotangents; or the float32 cotangent of the logits, whichever is larger.
+      values that were not saved (recomputed) and at least half of its saved values again as
+      cotangents (a pipeline's B, too, runs one layer at a time from its stash slot; uneven
+      stages: a slot more); or the float32 cotangent of the logits, whichever is larger.
       These working sets are the modelled part (measured on CPU: README, "Planning a run").
     - pipeline_buffers: the stash (F's residuals; with a split table also what I keeps for W,
       written over them) and the receive buffers the schedule table declares, v chunks each, and
@@ -300,22 +301,16 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # cotangent as a working set of its own (measured on CPU).
         head, working = act["outside"], logits
     saved = (act["layers"] if p == 1 else 0) + head  # (a pipeline's are in its stash)
-    if p == 1:
-        # With microbatches every one runs inside the accumulation loop: one microbatch's
-        # activations at a time. A layer's backward holds what remat recomputed beside the
-        # cotangents of about half its saved values, or half of all its values as cotangents.
-        transient = max(recomputed + act["layer_saved"] // 2, act["layer_all"] // 2, working)
-    else:
-        # In a tick F's residuals exist before they are written, and B's copy of its slot while
-        # B runs; beyond that, what remat recomputes, or the logits' cotangent. Since B's and W's
-        # slot reads run inside their actions' conds (not before them), XLA overlaps part of one
-        # with the other: measured on CPU with `remat: none`, the compiled step's temp bytes fell by
-        # 0.23-0.87 of a slot over tests/test_plan.py's pipeline cases, where about one slot was
-        # counted and matched before; half a slot is counted. Where the stages' layer slots are
-        # gathered (uneven stages) the step's peak is elsewhere and fell by 0.02 of a slot: a
-        # whole slot stays counted there.
-        share = 0.5 if par.remat == "none" and _stage_slots(cfg, p) is None else 1.0
-        transient = int(share * act["layers"]) + max(recomputed, working)
+    # With microbatches every one runs inside the accumulation loop: one microbatch's
+    # activations at a time. A layer's backward holds what remat recomputed beside the
+    # cotangents of about half its saved values, or half of all its values as cotangents. A
+    # pipeline's F writes each layer's residuals straight into its stash slot and B reads them
+    # back one layer at a time (DESIGN.md §5.3): its tick's working set is the same.
+    transient = max(recomputed + act["layer_saved"] // 2, act["layer_all"] // 2, working)
+    if p > 1 and _stage_slots(cfg, p) is not None:
+        # Where the stages' layer slots are gathered (uneven stages) the step's peak is
+        # elsewhere, about a slot above that (measured on CPU: README, "Planning a run").
+        transient = act["layers"] + max(recomputed, working)
     saved += act["fixed"]
     gathered = 0
     if zero == 3:

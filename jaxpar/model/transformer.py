@@ -137,18 +137,20 @@ def stack(tree: Any, kind: str) -> Any:
     return getattr(tree, kind) if isinstance(tree, nnx.Module) else tree[kind]
 
 
-def scan_layers(cfg: ModelConfig, stacks: dict[str, Any], x: Any, layer_fn: Callable, extras: dict[str, Any] | None = None
-                ) -> tuple[Any, dict[str, Any]]:
+def scan_layers(cfg: ModelConfig, stacks: dict[str, Any], x: Any, layer_fn: Callable, extras: dict[str, Any] | None = None,
+                reverse: bool = False) -> tuple[Any, dict[str, Any]]:
     """Run `x` through every layer in order: `layer_fn(kind, layer_params, layer_extra, i, x) ->
     (x, out)` with each stack's layers (`stacks`: kind -> tree stacked [n, ...], kinds as
     `block_kinds`; i: the index in its stack) and a per-layer extra stacked alike (or None).
     Returns x and kind -> the outs stacked alike. One scan per stack; a mixed model scans its
     dense first layers, then groups of N - 1 dense layers and one MoE layer (a scan over groups
-    of a scan over the group's dense layers), so compile time does not grow with depth."""
+    of a scan over the group's dense layers), so compile time does not grow with depth. With
+    `reverse`, the layers run last to first (a backward pass over them, e.g. the pipeline's B);
+    the outs stay in layer order."""
     extras = extras if extras is not None else {k: None for k in stacks}
 
     def run(kind, params, extra, idx, x):
-        return jax.lax.scan(lambda x, a: layer_fn(kind, a[0], a[1], a[2], x), x, (params, extra, idx))
+        return jax.lax.scan(lambda x, a: layer_fn(kind, a[0], a[1], a[2], x), x, (params, extra, idx), reverse=reverse)
 
     if not cfg.mixed:
         n = jax.tree.leaves(stacks[""])[0].shape[0]
@@ -159,20 +161,33 @@ def scan_layers(cfg: ModelConfig, stacks: dict[str, Any], x: Any, layer_fn: Call
     first = lambda t: jax.tree.map(lambda a: a[:K], t)  # noqa: E731
     groups = lambda t: jax.tree.map(lambda a: a[K:].reshape(U, N - 1, *a.shape[1:]), t)  # noqa: E731
     outs_first = None
-    if K:
-        x, outs_first = run("dense", first(stacks["dense"]), first(extras["dense"]), jnp.arange(K), x)
+
+    def dense_first(x):
+        return run("dense", first(stacks["dense"]), first(extras["dense"]), jnp.arange(K), x)
+
+    if K and not reverse:
+        x, outs_first = dense_first(x)
     if N == 1:
         x, outs_moe = run("moe", stacks["moe"], extras["moe"], jnp.arange(U), x)
+        if K and reverse:
+            x, outs_first = dense_first(x)
         return x, {"dense": outs_first, "moe": outs_moe}
 
     def group(x, a):
         dense, dense_extra, moe, moe_extra, u = a
-        x, outs_dense = run("dense", dense, dense_extra, K + u * (N - 1) + jnp.arange(N - 1), x)
-        x, out_moe = layer_fn("moe", moe, moe_extra, u, x)
+        idx = K + u * (N - 1) + jnp.arange(N - 1)
+        if reverse:
+            x, out_moe = layer_fn("moe", moe, moe_extra, u, x)
+            x, outs_dense = run("dense", dense, dense_extra, idx, x)
+        else:
+            x, outs_dense = run("dense", dense, dense_extra, idx, x)
+            x, out_moe = layer_fn("moe", moe, moe_extra, u, x)
         return x, (outs_dense, out_moe)
 
     x, (outs_dense, outs_moe) = jax.lax.scan(group, x, (groups(stacks["dense"]), groups(extras["dense"]), stacks["moe"],
-                                                       extras["moe"], jnp.arange(U)))
+                                                       extras["moe"], jnp.arange(U)), reverse=reverse)
+    if K and reverse:
+        x, outs_first = dense_first(x)
     outs_dense = jax.tree.map(lambda a: a.reshape(U * (N - 1), *a.shape[2:]), outs_dense)
     if K:
         outs_dense = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs_first, outs_dense)
@@ -195,16 +210,34 @@ def run_blocks(cfg: ModelConfig, blocks: nnx.Module, x_BxTxD: jax.Array, remat: 
     x unchanged."""
     split = active_split()  # the pipeline's split backward: each layer's matmul taps are scanned too
     taps = split.taps if split is not None else None
+    params, bodies = block_bodies(cfg, blocks, remat, active)
+    layer_taps = {kind: None if taps is None else {k: v for k, v in taps.items() if k.startswith(_prefix(kind))}
+                  for kind in params}
+    x_BxTxD, _ = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: (bodies[kind](x, (p, tap, i)), None),
+                             layer_taps)
+    return x_BxTxD
+
+
+def _prefix(kind: str) -> str:
+    """A stack's prefix of its leaves' paths in `blocks` (the split backward's taps are keyed so)."""
+    return f"['{kind}']" if kind else ""
+
+
+def block_bodies(cfg: ModelConfig, blocks: nnx.Module, remat: str, active: dict[str, jax.Array] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, Callable]]:
+    """kind -> the stack's parameters (a pure dict, stacked [n, ...]) and kind -> its layer,
+    `body(x, (layer_params, tap, i)) -> x` under the remat policy: one layer's parameters (a pure
+    dict, as `use_params` hands them out), its split-backward taps (or None) and its index in the
+    stack. `run_blocks` scans them; the pipeline differentiates them one layer at a time."""
+    split = active_split()
     names = _block_names(cfg)
-    bodies, params, layer_taps = {}, {}, {}
+    bodies, params = {}, {}
     for kind in block_kinds(cfg):
         graphdef, state = nnx.split(stack(blocks, kind))
         template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
-        prefix = f"['{kind}']" if kind else ""  # taps are keyed by the parameter's path in `blocks`
         params[kind] = nnx.to_pure_dict(state)
-        layer_taps[kind] = None if taps is None else {k: v for k, v in taps.items() if k.startswith(prefix)}
 
-        def body(x, inputs, graphdef=graphdef, template=template, kind_names=stack(names, kind), prefix=prefix,
+        def body(x, inputs, graphdef=graphdef, template=template, kind_names=stack(names, kind), prefix=_prefix(kind),
                  kind=kind):
             layer_params, tap, i = inputs
             # This layer's parameters enter here: under data parallelism their gradients are
@@ -218,12 +251,11 @@ def run_blocks(cfg: ModelConfig, blocks: nnx.Module, x_BxTxD: jax.Array, remat: 
                 split.layer_taps = tap
             layer = nnx.merge(graphdef, layer_state)
             if active is None:
-                return layer(x), None
-            return jax.lax.cond(active[kind][i], layer, lambda x: x, x), None
+                return layer(x)
+            return jax.lax.cond(active[kind][i], layer, lambda x: x, x)
 
         bodies[kind] = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x_BxTxD, _ = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: bodies[kind](x, (p, tap, i)), layer_taps)
-    return x_BxTxD
+    return params, bodies
 
 
 def _block_names(cfg: ModelConfig) -> Any:

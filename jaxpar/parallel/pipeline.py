@@ -9,10 +9,11 @@ hands each stage its slots (`_to_slots`) and an unfilled slot is skipped. The ex
 `model` where they have more than one shard): `Setup` holds what every stage knows before tracing,
 `_stage_step` is one stage's step, `StageRun.tick` the scan body over a `Carry`, and
 `StageRun.forward` / `backward` / `weight_grads` its actions. In each tick every stage looks up its
-actions: F runs its chunk forward under `jax.vjp` on a received activation (the first stage embeds
-the microbatch's tokens; the last adds the head, the loss and their backward) and stashes the
-residuals the remat policy keeps; B rebuilds the pullback from the stash (no second forward) and
-accumulates its parameter gradients in float32. With a split backward, I does B's input-gradient
+actions: F runs its chunk forward on a received activation one layer at a time, each layer under
+`jax.vjp`, and writes the residuals the remat policy keeps straight into the layer's row of its
+stash slot (the first stage embeds the microbatch's tokens; the last adds the head, the loss and
+their backward); B runs the layers backward, rebuilding each layer's pullback from its row (no
+second forward, no copy of the slot), and accumulates its parameter gradients in float32. With a split backward, I does B's input-gradient
 half and writes what W needs (each weight matmul's input and output cotangent) into the same stash
 slot, over residuals it has consumed; W computes the weight gradients from there and frees the slot
 (DESIGN.md §5). Each action reads its stash slot, computes and writes inside its own `lax.cond`: an
@@ -57,6 +58,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.model.layers import split_backward, weight_gradient
+from jaxpar.model.transformer import _prefix, block_bodies, block_kinds, scan_layers, stack
 from jaxpar.parallel import microbatches
 from jaxpar.parallel.stages import chunk_model, stage_layout
 from jaxpar.parallel.zero import Layout
@@ -94,7 +96,8 @@ class Carry(NamedTuple):
 
     fwd_buf: jax.Array   # [fwd_slots, *activation]: received activations waiting for their F
     bwd_buf: jax.Array   # [bwd_slots, *activation]: received gradients waiting for their B (or I)
-    stash: tuple         # per residual leaf, [stash slots, size]: what F saved for B / I (and I for W)
+    stash: dict          # what F saved for B / I (and I for W): "layers": kind -> per residual leaf of one layer,
+                         # [stash slots, layers, size]; "ends": the embedding's residuals, the head's cotangent
     wstash: dict         # (tap, 0 | 1) -> [wstash slots, ...]: what I saved for W that the stash slot cannot hold
     g_blocks: dict       # block leaf path -> float32 [v, layers per chunk, ...]: unreduced gradients
     g_shared: dict       # float32 gradients of the embedding, final norm and head (end stages' only)
@@ -294,8 +297,17 @@ class StageRun:
         self.block_mask_flat = self.flat(self.block_mask)
         self.acc_axes = {k: (*s.data_axes, *varying_axes(w)) for k, w in self.flat(one).items()}
         self.scatter_at_w = s.reduction.at_use  # W reduce-scatters a sharded weight's gradient
-        self.residuals, self.taps = {}, {}
-        self.stash_shapes, self.packing = None, None  # set by `initial_carry`
+        # Per stack kind ("" for one kind of block; a mixed model's "dense" and "moe"): its leaves'
+        # paths, its tree, its ZeRO dims counted in one layer's leaf (the stacked dim less one).
+        self.kinds = block_kinds(s.chunk_cfg)
+        self.kind_paths = {kind: [_prefix(kind) + jax.tree_util.keystr(k_)
+                                  for k_, _ in jax.tree_util.tree_leaves_with_path(stack(one, kind))]
+                           for kind in self.kinds}
+        self.kind_def = {kind: jax.tree.structure(stack(one, kind)) for kind in self.kinds}
+        self.layer_dims = {kind: jax.tree.map(lambda dim: None if dim is None else dim - 1, stack(self.block_dims, kind),
+                                              is_leaf=is_dim) for kind in self.kinds}
+        self.residuals, self.taps = {}, {}  # name -> (treedef, where): `stash_residuals`; the split's taps
+        self.layer_avals, self.end_avals, self.packing = {}, None, None  # set by `initial_carry`
 
     # -- trees and zeros ---------------------------------------------------------------------
 
@@ -304,6 +316,23 @@ class StageRun:
 
     def unflat(self, d: dict):
         return jax.tree.unflatten(self.block_def, [d[k] for k in self.paths])
+
+    def flat_kind(self, kind, tree) -> dict:
+        return dict(zip(self.kind_paths[kind], jax.tree.leaves(tree)))
+
+    def unflat_kind(self, kind, d: dict):
+        return jax.tree.unflatten(self.kind_def[kind], [d[k] for k in self.kind_paths[kind]])
+
+    def kind_taps(self) -> dict:
+        """kind -> the zero taps of that stack's tapped weights, [n, ...] (`zero_taps`)."""
+        taps = self.zero_taps()
+        return {kind: {k_: taps[k_] for k_ in self.kind_paths[kind] if k_ in taps} for kind in self.kinds}
+
+    def bodies(self, k):
+        """kind -> one layer of chunk k (`jaxpar.model.transformer.block_bodies`), under the remat policy."""
+        s = self.s
+        blocks = model.bind(s.chunk_cfg, {"blocks": self.chunk_params(k)}).blocks
+        return block_bodies(s.chunk_cfg, blocks, s.cfg.parallel.remat, self.active(k))[1]
 
     def zeros(self, shape, dtype=None, axes=None):
         """Zeros that vary over the manual axes their contents vary on (default: an activation's)."""
@@ -340,60 +369,96 @@ class StageRun:
     # -- the actions -------------------------------------------------------------------------
 
     def chunk_forward(self, blocks, shared, x_in, tokens, first, k):
-        # Only the first chunk embeds (a cond, not a select: under tensor parallelism the lookup
-        # ends in a collective, under ZeRO-3 the embedding's gather, that the other stages must
-        # not pay for). The shared parameters are bound inside the branch for that reason.
+        # (The taps' recording trace in `initial_carry`: the chunk as the unpipelined model runs it.)
         s = self.s
         x = jax.lax.cond(first, lambda: model.bind(s.chunk_cfg, shared).embed_tokens(tokens), lambda: x_in)
-        active = None
-        if s.slots.gather:  # this (stage, local chunk)'s active slots, per stack
-            active = {kind: jnp.asarray(a)[self.stage, k] for kind, a in s.slots.active.items()}
-        return model.bind(s.chunk_cfg, {"blocks": blocks}).backbone(x, remat=s.cfg.parallel.remat, active=active)
+        return model.bind(s.chunk_cfg, {"blocks": blocks}).backbone(x, remat=s.cfg.parallel.remat,
+                                                                    active=self.active(k))
 
-    def linearize(self, x_in, mb, k):
-        """The chunk's output and what its pullback keeps (stashed by F), matched once against
-        the parameters (`residuals`)."""
-        tokens = self.micro[mb, :, :-1]
+    def active(self, k):
+        """This (stage, local chunk)'s active layer slots per stack (None: every slot is)."""
+        if not self.s.slots.gather:
+            return None
+        return {kind: jnp.asarray(a)[self.stage, k] for kind, a in self.s.slots.active.items()}
+
+    def kind_stacks(self, k) -> dict:
+        """kind -> (parameters, what is differentiated) of chunk k's layers of that stack, [n, ...]."""
         full_bl = self.chunk_params(k)
-        diff, sh = self.flat(self.diff_blocks(full_bl)), self.diff_shared()
-        fixed = {p_: w for p_, w in diff.items() if p_ in self.taps}
-        rest = {p_: w for p_, w in diff.items() if p_ not in self.taps}
-        split = self.s.table.split
+        diff_bl = self.diff_blocks(full_bl)
+        return {kind: (stack(full_bl, kind), stack(diff_bl, kind)) for kind in self.kinds}
 
-        def f(rest, sh, x, tap_in):
-            bl = self.handed_blocks(self.unflat({**fixed, **rest}), full_bl)
-            with split_backward(tap_in) if split else contextlib.nullcontext():
-                return self.chunk_forward(bl, self.handed_shared(sh), x, tokens,
-                                          self.ends(k)[0], k)
-
-        y, pullback = jax.vjp(f, rest, sh, x_in, self.zero_taps() if split else None)
+    def stash_residuals(self, name: str, pullback, known: list) -> tuple:
+        """A pullback's residuals to stash: each is a parameter ("p", its index in `known`) or an
+        activation ("s", its stash leaf), stashed once however many times the pullback refers to
+        it (e.g. one layer input saved by the q, k and v matmuls). The structure, per `name`, is
+        what B unflattens; every trace of F must find the same."""
         leaves, treedef = jax.tree.flatten(pullback)
-        # Each residual is a parameter ("p", its index among the inputs) or an activation
-        # ("s", its stash leaf), stashed once however many times the pullback refers to it
-        # (e.g. one layer input saved by the q, k and v matmuls).
-        known = {id(w): i for i, w in enumerate(_param_leaves(full_bl, diff, self.shared, sh))}
+        ids = {id(w): i for i, w in enumerate(known)}
         stashed, where = {}, []
         for r in leaves:
-            if id(r) in known:
-                where.append(("p", known[id(r)]))
+            if id(r) in ids:
+                where.append(("p", ids[id(r)]))
             else:
                 where.append(("s", stashed.setdefault(id(r), (len(stashed), r))[0]))
         where = tuple(where)
-        # Each trace of the tick traces F before B, which unflattens this trace's structure.
-        if self.residuals and where != self.residuals["where"]:
-            raise AssertionError("the chunk's residuals differ between traces of F")
-        self.residuals.update(treedef=treedef, where=where)
-        return y, tuple(r for _, r in stashed.values())
+        if name in self.residuals and where != self.residuals[name][1]:
+            raise AssertionError(f"the residuals of {name!r} differ between traces of F")
+        self.residuals[name] = (treedef, where)
+        return tuple(r for _, r in stashed.values())
 
-    def forward(self, x_in, mb, k):
-        """F: the chunk's output, its residuals, and on the last chunk the loss and its
-        backward through the head (the chunk output's cotangent, the head's gradients)."""
+    def pullback(self, name: str, saved, known: list):
+        """The pullback `stash_residuals` took apart, from the stashed leaves and the parameters."""
+        treedef, where = self.residuals[name]
+        return jax.tree.unflatten(treedef, [known[i] if kind == "p" else saved[i] for kind, i in where])
+
+    def forward(self, x_in, mb, k, stash, slot):
+        """F: the chunk's output, run one layer at a time under `jax.vjp`, each layer's residuals
+        written straight into row (slot, layer) of the stash (no stacked copy: DESIGN.md §5.3);
+        on the first chunk the embedding, on the last the loss and its backward through the head
+        (the chunk output's cotangent, stashed too, and the head's gradients). `stash` None: a
+        trace that records the residuals' types (`initial_carry`). Returns (y, stash, shared
+        gradients, loss)."""
         s = self.s
-        y, saved = self.linearize(x_in, mb, k)
-        targets = self.micro[mb, :, 1:]
+        first, last = self.ends(k)
+        tokens, targets = self.micro[mb, :, :-1], self.micro[mb, :, 1:]
+        sh = self.diff_shared()
+        # Only the first chunk embeds (a cond, not a select: under tensor parallelism the lookup
+        # ends in a collective, under ZeRO-3 the embedding's gather, that the other stages must
+        # not pay for). The shared parameters are bound inside the branch for that reason.
+        x, pull_embed = jax.vjp(lambda sh: jax.lax.cond(
+            first, lambda: model.bind(s.chunk_cfg, self.handed_shared(sh)).embed_tokens(tokens), lambda: x_in), sh)
+        embed_saved = self.stash_residuals("embed", pull_embed, _param_leaves(self.shared, sh))
+        split = s.table.split
+
+        def layer(kind, xs, tap, i, carry):
+            x, st = carry
+            full_l, diff_l = xs
+            diff = self.flat_kind(kind, diff_l)
+            fixed = {p_: w for p_, w in diff.items() if p_ in self.taps}  # (split: the taps differentiate these)
+
+            def f(rest, x, tap):
+                handed = mark_for_use(s.reduction, self.unflat_kind(kind, {**fixed, **rest}), full_l,
+                                      self.layer_dims[kind])
+                return bodies[kind](x, (handed, tap, i))
+
+            y, pull = jax.vjp(f, {p_: w for p_, w in diff.items() if p_ not in fixed}, x, tap)
+            saved = self.stash_residuals(kind, pull, _param_leaves(full_l, diff_l))
+            if st is None:
+                self.layer_avals[kind] = [jax.typeof(r) for r in saved]
+                return (y, None), None
+            return (y, {**st, kind: tuple(jax.lax.dynamic_update_slice(
+                b, vary(r, varying_axes(b)).reshape(1, 1, -1).astype(b.dtype), (slot, i, 0))
+                for b, r in zip(st[kind], saved))}), None
+
+        # (Under a split table each weight matmul takes its tap from the layer's `linear`: the
+        # bodies are built, and traced, inside the split context.)
+        with split_backward({}) if split else contextlib.nullcontext():
+            bodies = self.bodies(k)
+            (y, layers), _ = scan_layers(s.chunk_cfg, self.kind_stacks(k),
+                                               (x, None if stash is None else stash["layers"]), layer,
+                                               self.kind_taps() if split else None)
 
         def head():
-            sh = self.diff_shared()
             loss, pull = jax.vjp(lambda sh, y: s.loss_sum(
                 model.bind(s.chunk_cfg, self.handed_shared(sh)).head(y), targets) / s.n_tokens,
                 sh, y)
@@ -402,20 +467,41 @@ class StageRun:
 
         def no_head():
             return (self.zeros((), jnp.float32, (*s.data_axes, STAGE)),
-                    jax.tree.map(zeros_like_varying, self.diff_shared()), zeros_like_varying(y))
+                    jax.tree.map(zeros_like_varying, sh), zeros_like_varying(y))
 
-        loss, dsh, dy = jax.lax.cond(self.ends(k)[1], head, no_head)
-        return y, (*saved, dy), dsh, loss
+        loss, dsh, dy = jax.lax.cond(last, head, no_head)
+        ends = (*embed_saved, dy)
+        if stash is None:
+            self.end_avals = [jax.typeof(r) for r in ends]
+            return y, None, dsh, loss
+        ends = tuple(_set_row(b, vary(r, varying_axes(b)).reshape(-1), slot) for b, r in zip(stash["ends"], ends))
+        return y, {"ends": ends, "layers": layers}, dsh, loss
 
-    def backward(self, saved, cot, k):
+    def backward(self, stash, slot, cot, k):
         """B, or I with a split table: the chunk's gradients from what F saved (no second
-        forward): (parameter gradients but the tapped weights', shared ones', input's, taps')."""
-        *saved, dy = saved
-        full_bl = self.chunk_params(k)
-        inputs = _param_leaves(full_bl, self.flat(self.diff_blocks(full_bl)), self.shared, self.diff_shared())
-        leaves = [inputs[i] if kind == "p" else saved[i] for kind, i in self.residuals["where"]]
-        pullback = jax.tree.unflatten(self.residuals["treedef"], leaves)
-        d_rest, dsh, dx, d_taps = pullback(jnp.where(self.ends(k)[1], dy, cot))
+        forward), one layer at a time, last to first, each layer's residuals read from row (slot,
+        layer) of the stash: (parameter gradients but the tapped weights', [n, ...] per path;
+        shared ones'; the input's; the taps', (x, g) [n, ...] per tapped path). (I writes its
+        pairs for W into the slot after this loop, `_write_now`: written inside it, over the
+        rows the loop reads, they made XLA copy every stash buffer per layer, measured.)"""
+        s = self.s
+        first, last = self.ends(k)
+        *embed_saved, dy = (_row(b, slot).reshape(a.shape) for b, a in zip(stash["ends"], self.end_avals))
+
+        def layer(kind, xs, _, i, g):
+            full_l, diff_l = xs
+            saved = [jax.lax.dynamic_slice(b, (slot, i, 0), (1, 1, b.shape[2])).reshape(a.shape)
+                     for b, a in zip(stash["layers"][kind], self.layer_avals[kind])]
+            d_rest, dx, d_tap = self.pullback(kind, saved, _param_leaves(full_l, diff_l))(g)
+            return dx, (d_rest, d_tap)
+
+        dx, outs = scan_layers(s.chunk_cfg, self.kind_stacks(k), jnp.where(last, dy, cot), layer, reverse=True)
+        d_rest = {p_: g for kind in self.kinds for p_, g in outs[kind][0].items()}
+        d_taps = {p_: xg for kind in self.kinds for p_, xg in (outs[kind][1] or {}).items()}
+        sh = self.diff_shared()
+        # The embedding's gradient: the first chunk's only (a cond: the others skip its pullback).
+        dsh = jax.lax.cond(first, lambda: self.pullback("embed", embed_saved, _param_leaves(self.shared, sh))(dx)[0],
+                           lambda: jax.tree.map(zeros_like_varying, sh))
         return d_rest, dsh, dx, d_taps
 
     def weight_grads(self, d_taps):
@@ -462,22 +548,31 @@ class StageRun:
                 jax.make_jaxpr(chunk)(self.zeros(self.act_shape))
             for k_, (xs, xd, gs, gd, ax, ws) in rec.shapes.items():
                 taps[k_] = (xs, xd, gs, gd, tuple(sorted({*ax, *s.data_axes, STAGE})), ws)
-        # The stash's leaves: shapes (and manual-axis types) from an abstract trace of F.
-        saved_avals = jax.make_jaxpr(lambda x: self.forward(x, z, z)[1])(self.zeros(self.act_shape)).out_avals
+        # The stash's leaves: types from an abstract trace of F (`layer_avals`, `end_avals`).
+        jax.make_jaxpr(lambda x: self.forward(x, z, z, None, z)[0])(self.zeros(self.act_shape))
         # (A stash slot varies over `stage`, whatever its value does: the tables differ per stage.)
-        # Each leaf's slots are stored flat, [slots, size] (I writes W's inputs into a slot by
-        # offset; a reshaped view of the loop's carry there made XLA copy the whole buffer).
-        self.stash_shapes = [a.shape for a in saved_avals]
-        stash = tuple(self.zeros((table.stash, a.size), a.dtype,
-                                 tuple(sorted({*aval_varying_axes(a), *s.data_axes, STAGE})))
-                      for a in saved_avals)
-        # What I keeps for W (each tapped matmul's input and output cotangent) goes into its
-        # stash slot, over residuals that I has consumed; the wstash holds what does not fit.
-        items = {(k_, j): ((self.chunk_layers[k_], *shape), dtype, ax)
+        # A layer's leaf is stored [slots, layers of its stack, size], the embedding's residuals
+        # and the head's cotangent [slots, size] (I writes W's inputs into a slot by offset; a
+        # reshaped view of the loop's carry there made XLA copy the whole buffer).
+        axes = lambda a: tuple(sorted({*aval_varying_axes(a), *s.data_axes, STAGE}))  # noqa: E731
+        n_layers = {kind: jax.tree.leaves(stack(self.blocks, kind))[0].shape[1] for kind in self.kinds}
+        stash = {"ends": tuple(self.zeros((table.stash, a.size), a.dtype, axes(a)) for a in self.end_avals),
+                 "layers": {kind: tuple(self.zeros((table.stash, n_layers[kind], a.size), a.dtype, axes(a))
+                                        for a in self.layer_avals[kind]) for kind in self.kinds}}
+        # What I keeps for W (each tapped matmul's input and output cotangent, per layer) goes
+        # into its stash slot, over residuals of the same layer that I has consumed; the wstash
+        # holds what does not fit.
+        items = {(k_, j): (shape, dtype, ax)
                  for k_, (xs, xd, gs, gd, ax, _) in taps.items()
                  for j, (shape, dtype) in enumerate(((xs, xd), (gs, gd)))}
-        self.packing = _pack(items, [(s_.shape[1:], s_.dtype, varying_axes(s_)) for s_ in stash])
-        wstash = {key: self.zeros((table.wstash, *items[key][0]), items[key][1], items[key][2])
+        self.packing = {}
+        for kind in self.kinds:
+            bufs = stash["layers"][kind]
+            packed = _pack({key: it for key, it in items.items() if key[0] in self.kind_paths[kind]},
+                           [(b.shape[2:], b.dtype, varying_axes(b)) for b in bufs])
+            self.packing.update({key: (kind, *where) for key, where in packed.items()})
+        wstash = {key: self.zeros((table.wstash, self.chunk_layers[key[0]], *items[key][0]), items[key][1],
+                                  items[key][2])
                   for key in items if key not in self.packing}
         g_blocks = self.flat(microbatches.f32_zeros(
             jax.tree.map(lambda w, dim, m: _seed(w, dim + 1, s.d) if m else w, self.blocks, self.block_dims,
@@ -491,7 +586,7 @@ class StageRun:
         so that its residuals go into its stash slot inside its own cond, DESIGN.md §5.3), one
         hop each way, and the arrivals into their buffer slots."""
         s, stage, taps, table = self.s, self.stage, self.taps, self.s.table
-        stash_shapes, packing = self.stash_shapes, self.packing
+        packing = self.packing
         fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc = carry
         fv, fmb, fk = row["f_valid"][stage], row["f_mb"][stage], row["f_chunk"][stage]
         bv, iv, wv = row["b_valid"][stage], row["i_valid"][stage], row["w_valid"][stage]
@@ -509,11 +604,10 @@ class StageRun:
         split_i = table.split and not table.rows["b_valid"].any()
 
         def run_b(acc, bufs):
-            # (The stash slot is read here, not before the cond: a slice of every residual leaf,
-            # megabytes, copied on every tick would cost more than the matmuls of an idle tick.)
-            saved_b = tuple(g[row["b_stash"][stage] + row["i_stash"][stage]].reshape(sh_)
-                            for g, sh_ in zip(bufs[0], stash_shapes))
-            d_rest, dsh, dx, d_taps = self.backward(saved_b, cot, bk)
+            # (The stash slot is read in here, layer by layer, not before the cond: a slice of
+            # every residual leaf, megabytes, copied on every tick would cost more than the
+            # matmuls of an idle tick.)
+            d_rest, dsh, dx, d_taps = self.backward(bufs[0], row["b_stash"][stage] + row["i_stash"][stage], cot, bk)
             d_taps = {k_: tuple(vary(a, taps[k_][4]) for a in xg) for k_, xg in (d_taps or {}).items()}
             if split_i:
                 new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
@@ -527,7 +621,7 @@ class StageRun:
 
         acc_rest, dsh_b, dx, d_taps, bufs = jax.lax.cond(
             bv + iv > 0, run_b, no_b, {k_: a for k_, a in g_blocks.items() if k_ not in taps},
-            (tuple(stash), wstash if split_i else {}))
+            (stash, wstash if split_i else {}))
         if split_i:
             stash, wstash = bufs
         g_blocks = {**g_blocks, **acc_rest}
@@ -544,7 +638,7 @@ class StageRun:
                                 row["w_chunk"][stage])
 
             dw = jax.lax.cond(wv > 0, run_w, lambda acc, bufs: acc, {k_: g_blocks[k_] for k_ in taps},
-                              (tuple(stash), wstash))
+                              (stash, wstash))
             g_blocks = {**g_blocks, **dw}
         # Every write of the stash and wstash after every read of them has been consumed (else
         # XLA keeps a copy of the whole buffer): I's outputs for W into its own slot, over the
@@ -558,12 +652,11 @@ class StageRun:
         # neither fills a slot's worth of zeros nor writes (B has read its slot above: a slot B
         # frees may be the one F fills in the same tick). The residuals' structure B unflattens
         # was fixed by `initial_carry`'s trace of F.
-        f_slot = row["f_stash"][stage]
+        # F's input waits for B's and W's results (`_after`): its cond runs after theirs.
+        x_f = after(x_f)
 
         def run_f(stash):
-            y, saved, dsh, loss = self.forward(x_f, fmb, fk)
-            saved = tuple(vary(n, varying_axes(g)) for n, g in zip(saved, stash))
-            return y, tuple(_set_row(x, after(n).reshape(-1), f_slot) for x, n in zip(stash, saved)), dsh, loss
+            return self.forward(x_f, fmb, fk, stash, row["f_stash"][stage])
 
         y, stash, dsh_f, loss = jax.lax.cond(
             fv > 0, run_f,
@@ -636,29 +729,33 @@ def _pack(items: dict, bins: list) -> dict:
 
 
 def _read_items(stash, wstash, packing, slot, wslot) -> dict:
-    """W's inputs of one (microbatch, chunk): from its stash slot where `_pack` put them, the rest
-    from its wstash slot."""
+    """W's inputs of one (microbatch, chunk), [layers, ...] per item: from its stash slot where
+    `_pack` put them (per layer, in that layer's row), the rest from its wstash slot."""
     out = {key: buf[wslot] for key, buf in wstash.items()}
-    for key, (i, off, shape) in packing.items():
-        out[key] = jax.lax.dynamic_slice(stash[i], (slot, off), (1, int(np.prod(shape)))).reshape(shape)
+    for key, (kind, i, off, shape) in packing.items():
+        buf = stash["layers"][kind][i]
+        out[key] = jax.lax.dynamic_slice(buf, (slot, 0, off), (1, buf.shape[1], int(np.prod(shape)))).reshape(
+            buf.shape[1], *shape)
     return out
 
 
 def _write_now(bufs, packing, new, slot, wslot, after):
-    """I's outputs for W written into its stash slot (where `_pack` put them) and its wstash slot:
-    `bufs` = (stash, wstash) -> the same, updated in place."""
-    stash, wstash = list(bufs[0]), dict(bufs[1])
-    for key, (i, off, _) in packing.items():
-        stash[i] = jax.lax.dynamic_update_slice(stash[i], after(new[key]).reshape(1, -1), (slot, off))
+    """I's outputs for W ([layers, ...] each) written into its stash slot (where `_pack` put them)
+    and its wstash slot: `bufs` = (stash, wstash) -> the same, updated in place."""
+    stash, wstash = bufs
+    layers = {kind: list(b) for kind, b in stash["layers"].items()}
+    for key, (kind, i, off, _) in packing.items():
+        b = layers[kind][i]
+        layers[kind][i] = jax.lax.dynamic_update_slice(b, after(new[key]).reshape(1, b.shape[1], -1), (slot, 0, off))
     wstash = {key: _set_row(buf, after(new[key]), wslot) for key, buf in wstash.items()}
-    return tuple(stash), wstash
+    return {**stash, "layers": {kind: tuple(b) for kind, b in layers.items()}}, wstash
 
 
 def _write_items(stash, wstash, packing, new, valid, slot, wslot, after):
     """`_write_now` under a cond on `valid`. (Not as a select with the slot's old contents:
     reading those, XLA copied every packed stash buffer twice per tick.)"""
     return jax.lax.cond(valid, lambda bufs: _write_now(bufs, packing, new, slot, wslot, after), lambda bufs: bufs,
-                        (tuple(stash), wstash))
+                        (stash, wstash))
 
 
 def _gather_stage(w: jax.Array, dim: int | None) -> jax.Array:
