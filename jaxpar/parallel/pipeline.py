@@ -411,13 +411,13 @@ class StageRun:
         treedef, where = self.residuals[name]
         return jax.tree.unflatten(treedef, [known[i] if kind == "p" else saved[i] for kind, i in where])
 
-    def forward(self, x_in, mb, k, stash, slot):
+    def forward(self, x_in, mb, k, stash, slot, g_shared):
         """F: the chunk's output, run one layer at a time under `jax.vjp`, each layer's residuals
         written straight into row (slot, layer) of the stash (no stacked copy: DESIGN.md §5.3);
         on the first chunk the embedding, on the last the loss and its backward through the head
-        (the chunk output's cotangent, stashed too, and the head's gradients). `stash` None: a
-        trace that records the residuals' types (`initial_carry`). Returns (y, stash, shared
-        gradients, loss)."""
+        (the chunk output's cotangent, stashed too, and the head's gradients, added to the float32
+        `g_shared` inside the head's `cond`). `stash` None: a trace that records the residuals'
+        types (`initial_carry`). Returns (y, stash, g_shared, loss)."""
         s = self.s
         first, last = self.ends(k)
         tokens, targets = self.micro[mb, :, :-1], self.micro[mb, :, 1:]
@@ -458,30 +458,32 @@ class StageRun:
                                                (x, None if stash is None else stash["layers"]), layer,
                                                self.kind_taps() if split else None)
 
-        def head():
+        # (The head's gradients are added inside its `cond`: the other chunks' F fills no
+        # vocabulary-sized zeros.)
+        def head(g):
             loss, pull = jax.vjp(lambda sh, y: s.loss_sum(
                 model.bind(s.chunk_cfg, self.handed_shared(sh)).head(y), targets) / s.n_tokens,
                 sh, y)
             dsh, dy = pull(jnp.ones_like(loss))
-            return loss, dsh, dy
+            return loss, microbatches.add_f32(g, dsh), dy
 
-        def no_head():
-            return (self.zeros((), jnp.float32, (*s.data_axes, STAGE)),
-                    jax.tree.map(zeros_like_varying, sh), zeros_like_varying(y))
+        def no_head(g):
+            return self.zeros((), jnp.float32, (*s.data_axes, STAGE)), g, zeros_like_varying(y)
 
-        loss, dsh, dy = jax.lax.cond(last, head, no_head)
+        loss, g_shared, dy = jax.lax.cond(last, head, no_head, g_shared)
         ends = (*embed_saved, dy)
         if stash is None:
             self.end_avals = [jax.typeof(r) for r in ends]
-            return y, None, dsh, loss
+            return y, None, g_shared, loss
         ends = tuple(_set_row(b, vary(r, varying_axes(b)).reshape(-1), slot) for b, r in zip(stash["ends"], ends))
-        return y, {"ends": ends, "layers": layers}, dsh, loss
+        return y, {"ends": ends, "layers": layers}, g_shared, loss
 
-    def backward(self, stash, slot, cot, k):
+    def backward(self, stash, slot, cot, k, g_shared):
         """B, or I with a split table: the chunk's gradients from what F saved (no second
         forward), one layer at a time, last to first, each layer's residuals read from row (slot,
         layer) of the stash: (parameter gradients but the tapped weights', [n, ...] per path;
-        shared ones'; the input's; the taps', (x, g) [n, ...] per tapped path). (I writes its
+        `g_shared` plus the embedding's on the first chunk; the input's; the taps', (x, g) [n, ...]
+        per tapped path). (I writes its
         pairs for W into the slot after this loop, `_write_now`: written inside it, over the
         rows the loop reads, they made XLA copy every stash buffer per layer, measured.)"""
         s = self.s
@@ -499,10 +501,11 @@ class StageRun:
         d_rest = {p_: g for kind in self.kinds for p_, g in outs[kind][0].items()}
         d_taps = {p_: xg for kind in self.kinds for p_, xg in (outs[kind][1] or {}).items()}
         sh = self.diff_shared()
-        # The embedding's gradient: the first chunk's only (a cond: the others skip its pullback).
-        dsh = jax.lax.cond(first, lambda: self.pullback("embed", embed_saved, _param_leaves(self.shared, sh))(dx)[0],
-                           lambda: jax.tree.map(zeros_like_varying, sh))
-        return d_rest, dsh, dx, d_taps
+        # The embedding's gradient: the first chunk's only (a cond: the others skip its pullback
+        # and fill no vocabulary-sized zeros).
+        g_shared = jax.lax.cond(first, lambda g: microbatches.add_f32(
+            g, self.pullback("embed", embed_saved, _param_leaves(self.shared, sh))(dx)[0]), lambda g: g, g_shared)
+        return d_rest, g_shared, dx, d_taps
 
     def weight_grads(self, d_taps):
         """W: each tapped weight's gradient x^T g, reduce-scattered where ZeRO reduces per
@@ -549,7 +552,8 @@ class StageRun:
             for k_, (xs, xd, gs, gd, ax, ws) in rec.shapes.items():
                 taps[k_] = (xs, xd, gs, gd, tuple(sorted({*ax, *s.data_axes, STAGE})), ws)
         # The stash's leaves: types from an abstract trace of F (`layer_avals`, `end_avals`).
-        jax.make_jaxpr(lambda x: self.forward(x, z, z, None, z)[0])(self.zeros(self.act_shape))
+        jax.make_jaxpr(lambda x: self.forward(x, z, z, None, z, microbatches.f32_zeros(self.diff_shared()))[0])(
+            self.zeros(self.act_shape))
         # (A stash slot varies over `stage`, whatever its value does: the tables differ per stage.)
         # A layer's leaf is stored [slots, layers of its stack, size], the embedding's residuals
         # and the head's cotangent [slots, size] (I writes W's inputs into a slot by offset; a
@@ -603,25 +607,26 @@ class StageRun:
         # split table also holds fused Bs, whose W runs at once from the pairs (below).
         split_i = table.split and not table.rows["b_valid"].any()
 
-        def run_b(acc, bufs):
+        def run_b(acc, bufs, g_shared):
             # (The stash slot is read in here, layer by layer, not before the cond: a slice of
             # every residual leaf, megabytes, copied on every tick would cost more than the
             # matmuls of an idle tick.)
-            d_rest, dsh, dx, d_taps = self.backward(bufs[0], row["b_stash"][stage] + row["i_stash"][stage], cot, bk)
+            d_rest, g_shared, dx, d_taps = self.backward(bufs[0], row["b_stash"][stage] + row["i_stash"][stage], cot,
+                                                         bk, g_shared)
             d_taps = {k_: tuple(vary(a, taps[k_][4]) for a in xg) for k_, xg in (d_taps or {}).items()}
             if split_i:
                 new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
                 bufs = _write_now(bufs, packing, new, row["i_stash"][stage], row["i_wstash"][stage], _after(dx))
                 d_taps = {}
-            return self.add(acc, d_rest, bk), dsh, dx, d_taps, bufs if split_i else ()
+            return self.add(acc, d_rest, bk), g_shared, dx, d_taps, bufs if split_i else ()
 
-        def no_b(acc, bufs):
-            return (acc, jax.tree.map(zeros_like_varying, self.diff_shared()), zeros_like_varying(x_f),
-                    {} if split_i else self.zero_taps(), bufs if split_i else ())
+        def no_b(acc, bufs, g_shared):
+            return (acc, g_shared, zeros_like_varying(x_f), {} if split_i else self.zero_taps(),
+                    bufs if split_i else ())
 
-        acc_rest, dsh_b, dx, d_taps, bufs = jax.lax.cond(
+        acc_rest, g_shared, dx, d_taps, bufs = jax.lax.cond(
             bv + iv > 0, run_b, no_b, {k_: a for k_, a in g_blocks.items() if k_ not in taps},
-            (stash, wstash if split_i else {}))
+            (stash, wstash if split_i else {}), g_shared)
         if split_i:
             stash, wstash = bufs
         g_blocks = {**g_blocks, **acc_rest}
@@ -655,18 +660,16 @@ class StageRun:
         # F's input waits for B's and W's results (`_after`): its cond runs after theirs.
         x_f = after(x_f)
 
-        def run_f(stash):
-            return self.forward(x_f, fmb, fk, stash, row["f_stash"][stage])
+        def run_f(stash, g_shared):
+            return self.forward(x_f, fmb, fk, stash, row["f_stash"][stage], g_shared)
 
-        y, stash, dsh_f, loss = jax.lax.cond(
+        # (Only the first chunk's B, the embedding, and the last chunk's F, the head, add to the
+        # shared leaves' vocabulary-sized float32 accumulators, inside their own conds.)
+        y, stash, g_shared, loss = jax.lax.cond(
             fv > 0, run_f,
-            lambda stash: (zeros_like_varying(x_f), stash, jax.tree.map(zeros_like_varying, self.diff_shared()),
-                           self.zeros((), jnp.float32, (*s.data_axes, STAGE))),
-            stash)
-        # Only the first chunk's B (the embedding) and the last chunk's F (the head) have shared
-        # gradients: other ticks add nothing to the vocabulary-sized float32 accumulators.
-        shared_now = ((bv + iv > 0) & self.ends(bk)[0]) | ((fv > 0) & self.ends(fk)[1])
-        g_shared = jax.lax.cond(shared_now, lambda g: microbatches.add_f32(g, dsh_f, dsh_b), lambda g: g, g_shared)
+            lambda stash, g_shared: (zeros_like_varying(x_f), stash, g_shared,
+                                     self.zeros((), jnp.float32, (*s.data_axes, STAGE))),
+            stash, g_shared)
         # One hop per tick: activations to the next stage, gradients to the previous one; the
         # table says which slot each arrival lands in (-1: nothing arrives).
         recv_f = jax.lax.ppermute(y, STAGE, s.fwd_pairs)
