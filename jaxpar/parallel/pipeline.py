@@ -256,9 +256,11 @@ class StageRun:
     the actions of a tick (`forward` = F, `backward` = B or I, `weight_grads` = W) as methods over
     them; `tick` is the `lax.scan` body over the table's rows, on a `Carry`.
 
-    F saves what B needs: the residuals of the chunk's `jax.vjp` (what the remat policy keeps),
+    F saves what B needs: the residuals of each layer's `jax.vjp` (what the remat policy keeps),
     less the parameters among them (B takes those from the parameters themselves, so the stash
-    holds activations only). `residuals` is fixed by the abstract trace of F in `initial_carry`.
+    holds activations only), in the layer's row of its stash slot; the embedding's residuals and
+    the head's cotangent beside them. `residuals` (per stack kind, and "embed") is fixed by the
+    abstract trace of F in `initial_carry`.
     With a split table the weight matmuls are not differentiated: they take taps, whose cotangents
     (input, output cotangent) I saves for W (`jaxpar.model.layers.split_backward`)."""
 
