@@ -211,14 +211,14 @@ def run_blocks(cfg: ModelConfig, blocks: nnx.Module, x_BxTxD: jax.Array, remat: 
     split = active_split()  # the pipeline's split backward: each layer's matmul taps are scanned too
     taps = split.taps if split is not None else None
     params, bodies = block_bodies(cfg, blocks, remat, active)
-    layer_taps = {kind: None if taps is None else {k: v for k, v in taps.items() if k.startswith(_prefix(kind))}
+    layer_taps = {kind: None if taps is None else {k: v for k, v in taps.items() if k.startswith(stack_prefix(kind))}
                   for kind in params}
     x_BxTxD, _ = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: (bodies[kind](x, (p, tap, i)), None),
                              layer_taps)
     return x_BxTxD
 
 
-def _prefix(kind: str) -> str:
+def stack_prefix(kind: str) -> str:
     """A stack's prefix of its leaves' paths in `blocks` (the split backward's taps are keyed so)."""
     return f"['{kind}']" if kind else ""
 
@@ -237,7 +237,7 @@ def block_bodies(cfg: ModelConfig, blocks: nnx.Module, remat: str, active: dict[
         template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
         params[kind] = nnx.to_pure_dict(state)
 
-        def body(x, inputs, graphdef=graphdef, template=template, kind_names=stack(names, kind), prefix=_prefix(kind),
+        def body(x, inputs, graphdef=graphdef, template=template, kind_names=stack(names, kind), prefix=stack_prefix(kind),
                  kind=kind):
             layer_params, tap, i = inputs
             # This layer's parameters enter here: under data parallelism their gradients are

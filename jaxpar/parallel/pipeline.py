@@ -13,10 +13,10 @@ actions: F runs its chunk forward on a received activation one layer at a time, 
 `jax.vjp`, and writes the residuals the remat policy keeps straight into the layer's row of its
 stash slot (the first stage embeds the microbatch's tokens; the last adds the head, the loss and
 their backward); B runs the layers backward, rebuilding each layer's pullback from its row (no
-second forward, no copy of the slot), and accumulates its parameter gradients in float32. With a split backward, I does B's input-gradient
-half and writes what W needs (each weight matmul's input and output cotangent) into the same stash
-slot, over residuals it has consumed; W computes the weight gradients from there and frees the slot
-(DESIGN.md §5). Each action reads its stash slot, computes and writes inside its own `lax.cond`: an
+second forward, no copy of the slot), and accumulates its parameter gradients in float32. With a
+split backward, I does B's input-gradient half and writes what W needs (each weight matmul's
+input and output cotangent) into the same stash slot, over residuals it has consumed; W computes
+the weight gradients from there and frees the slot (DESIGN.md §5). Each action reads its stash slot, computes and writes inside its own `lax.cond`: an
 idle action reads and writes no stash slot and adds to no accumulator (only the small
 receive-buffer rows are read every tick; its branch returns zeros of the hop's message and of the
 shared leaves' gradients, §5.3). One forward and one backward `ppermute` per tick move activations
@@ -58,7 +58,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.model.layers import split_backward, weight_gradient
-from jaxpar.model.transformer import _prefix, block_bodies, block_kinds, scan_layers, stack
+from jaxpar.model.transformer import block_bodies, block_kinds, scan_layers, stack, stack_prefix
 from jaxpar.parallel import microbatches
 from jaxpar.parallel.stages import chunk_model, stage_layout
 from jaxpar.parallel.zero import Layout
@@ -302,7 +302,7 @@ class StageRun:
         # Per stack kind ("" for one kind of block; a mixed model's "dense" and "moe"): its leaves'
         # paths, its tree, its ZeRO dims counted in one layer's leaf (the stacked dim less one).
         self.kinds = block_kinds(s.chunk_cfg)
-        self.kind_paths = {kind: [_prefix(kind) + jax.tree_util.keystr(k_)
+        self.kind_paths = {kind: [stack_prefix(kind) + jax.tree_util.keystr(k_)
                                   for k_, _ in jax.tree_util.tree_leaves_with_path(stack(one, kind))]
                            for kind in self.kinds}
         self.kind_def = {kind: jax.tree.structure(stack(one, kind)) for kind in self.kinds}
