@@ -561,7 +561,7 @@ class StageRun:
         # and the head's cotangent [slots, size] (I writes W's inputs into a slot by offset; a
         # reshaped view of the loop's carry there made XLA copy the whole buffer).
         axes = lambda a: tuple(sorted({*aval_varying_axes(a), *s.data_axes, STAGE}))  # noqa: E731
-        n_layers = {kind: jax.tree.leaves(stack(self.blocks, kind))[0].shape[1] for kind in self.kinds}
+        n_layers = {kind: self.chunk_layers[self.kind_paths[kind][0]] for kind in self.kinds}
         stash = {"ends": tuple(self.zeros((table.stash, a.size), a.dtype, axes(a)) for a in self.end_avals),
                  "layers": {kind: tuple(self.zeros((table.stash, n_layers[kind], a.size), a.dtype, axes(a))
                                         for a in self.layer_avals[kind]) for kind in self.kinds}}
