@@ -69,6 +69,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dp-microbatches", type=int, default=1,
                    help="parallel.microbatches of the data-parallel step (default 1; m/4 gives each of its "
                         "matmuls the pipeline's microbatch of 2 sequences, separating microbatching's cost)")
+    p.add_argument("--attention", default="auto", choices=["auto", "xla_lse", "xla"],
+                   help="model.attention of both steps (default auto: xla_lse on a CPU)")
     p.add_argument("--quick", action="store_true", help="smoke run: m = 4, a small model, 1 and 3 steps, nothing written")
     p.add_argument("--out", default=None, help="JSON output (default: benchmarks/results/pipeline_work_cpu.json)")
     for name in SHAPES:
@@ -153,7 +155,7 @@ class Worker:
                "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
         cmd += ["--pool", str(args.pool)] if args.pool else []
         cmd += ["--stage-layers", args.stage_layers] if args.stage_layers else []
-        cmd += ["--dp-microbatches", str(args.dp_microbatches)]
+        cmd += ["--dp-microbatches", str(args.dp_microbatches), "--attention", args.attention]
         cmd += [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in SHAPES]
         env = dict(os.environ)
         for var in ("PJRT_NPROC", "NPROC", "XLA_FLAGS"):

@@ -116,6 +116,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="PJRT_NPROC for both jaxpar programs (default: as jaxpar.mesh.use_cpu_devices sizes each: 32 "
                         "threads for the pipeline, 4 for ZeRO-0 data parallelism; fewer than jaxpar asks for can "
                         "hang a pipeline)")
+    p.add_argument("--attention", default="auto", choices=["auto", "xla_lse", "xla"],
+                   help="jaxpar's model.attention (default auto: xla_lse on a CPU)")
     p.add_argument("--no-check", action="store_true", help="skip the torch-vs-jaxpar loss check")
     p.add_argument("--quick", action="store_true", help="smoke run: m = 4, a small model, 2 rounds, nothing written")
     p.add_argument("--render", default=None, metavar="FILE.json",
@@ -198,7 +200,7 @@ def jaxpar_config(args, m: int, schedule: str | None):
     cfg = from_dict({
         "model": {"arch": "llama", "n_layers": args.layers, "d_model": args.d_model, "n_heads": args.heads,
                   "n_kv_heads": args.kv_heads, "d_ff": args.d_ff, "vocab_size": args.vocab, "seq_len": args.seq,
-                  "norm_eps": EPS, "init_std": INIT_STD},
+                  "norm_eps": EPS, "init_std": INIT_STD, "attention": args.attention},
         "mesh": {"data": 1, "stage": P, "model": 1} if pipe else {"data": P, "stage": 1, "model": 1},
         "parallel": ({"schedule": schedule, "microbatches": m, "remat": "none"} if pipe
                      else {"zero": 0, "microbatches": 1, "remat": "none"}),
@@ -317,7 +319,7 @@ class Worker:
         base = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--microbatches",
                 *map(str, args.microbatches), "--schedules", *args.schedules, "--rounds", str(args.rounds),
                 "--warmup", str(args.warmup), "--mem-steps", str(args.mem_steps),
-                "--torch-threads", str(args.torch_threads), *shape_flags(args)]
+                "--torch-threads", str(args.torch_threads), "--attention", args.attention, *shape_flags(args)]
         env = dict(os.environ)
         repo = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join([repo] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))

@@ -91,9 +91,11 @@ class ModelConfig:
     block: str = "pre_norm"
     """The transformer block by registered name: `pre_norm` (x + attn(norm x), x + mlp(norm x)), or
     one registered with `jaxpar.model.register_block` (research code; see examples/custom_block.py)."""
-    attention: Literal["auto", "xla", "cudnn"] = "auto"
-    """Attention kernel: auto (cuDNN's fused kernel on GPU when shapes and dtypes allow, else XLA),
-    xla (the reference einsum-softmax path), cudnn (fail if cuDNN cannot run it)."""
+    attention: Literal["auto", "xla_lse", "xla", "cudnn"] = "auto"
+    """Attention kernel: auto (cuDNN's fused kernel on GPU when shapes and dtypes allow, else
+    xla_lse), xla_lse (XLA's einsum-softmax whose backward recomputes the probabilities from the
+    saved log-sum-exp: [seq] floats per head kept, not [seq, seq]), xla (jax's reference path, which
+    keeps the probabilities), cudnn (fail if cuDNN cannot run it)."""
     n_experts: int = 0
     """Mixture of experts: routed experts per MLP (0: a dense MLP, the default). Every layer's MLP
     becomes an MoE layer (`jaxpar.model.moe`, DESIGN.md §10); llama architecture only."""

@@ -281,6 +281,7 @@ class _Active(NamedTuple):
     param_fn: ParamFn | None
     tp: TensorParallel | None
     compute_dtype: Any
+    serial_gathers: bool = False
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("jaxpar_rules", default=None)
@@ -288,7 +289,7 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("jaxpar
 
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh, rules: Rules, *, param_fn: ParamFn | None = None,
-                     tp: TensorParallel | None = None, compute_dtype: Any = None):
+                     tp: TensorParallel | None = None, compute_dtype: Any = None, serial_gathers: bool = False):
     """Within this context (at trace time) `constrain` pins activations to `rules` on `mesh`,
     `use_params` passes each parameter and its logical names through `param_fn` (e.g. a data-axis
     `pcast`, whose transpose reduces the gradient exactly where its parameter entered the
@@ -300,7 +301,7 @@ def activation_rules(mesh: Mesh, rules: Rules, *, param_fn: ParamFn | None = Non
     """
     if compute_dtype is not None:
         compute_dtype = jnp.dtype(compute_dtype)
-    token = _ACTIVE.set(_Active(mesh, rules, param_fn, tp, compute_dtype))
+    token = _ACTIVE.set(_Active(mesh, rules, param_fn, tp, compute_dtype, serial_gathers))
     try:
         yield
     finally:
@@ -348,18 +349,60 @@ def use_params(tree: Any, names: Any) -> Any:
     if active is None or (active.param_fn is None and active.compute_dtype is None):
         return tree
     fn, dt = active.param_fn, active.compute_dtype
+    serial = active.serial_gathers and _simulated(active.mesh)
+    last = []  # the previous ZeRO-3 gather's output, on simulated devices (`_after`)
 
     def hand_out(x, n):
         cast = dt if dt is not None and compute_cast(n) and dt != x.dtype else None
+        gathered = isinstance(x, Shard)
+        if serial and gathered and last and varying_axes(last[-1]) == varying_axes(x.value):
+            x = Shard(_after(x.value, last[-1], last[-1].shape), x.dim)
         if fn is not None:
             y = fn(x, n, cast)
         else:
             y = x if cast is None else recast(x, cast)
+        if serial and gathered:
+            last.append(y)
         return checkpoint_name(y, PARAMS_TAG)
 
     return jax.tree.map(hand_out, tree, names,
                         is_leaf=lambda x: isinstance(x, (Handout, Shard))
                         or (isinstance(x, tuple) and all(isinstance(a, str) for a in x)))
+
+
+def _simulated(mesh) -> bool:
+    """Simulated CPU devices (more than one): XLA:CPU runs a device's independent collectives side
+    by side, and with JAX's one channel id for all of them two all-gathers over one group in
+    flight at once can take each other's participants (an abort, `Check failed:
+    id < num_threads`, or mixed results). README, "Simulated devices run one collective per group
+    at a time"."""
+    return mesh is not None and mesh.size > 1 and mesh.devices.flat[0].platform == "cpu"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _after(x: jax.Array, prev: jax.Array, prev_shape) -> jax.Array:
+    """x + 0 x one element of `prev`: x itself for finite values, computed after `prev` (XLA does
+    not fold a float x * 0). `use_params` passes each ZeRO-3 shard through it with the previous
+    leaf's gathered value on simulated devices (one call chains its leaves: a layer's, or the
+    embedding's and the head's), so each gather waits for the one before; the transpose adds 0 x
+    its cotangent's sum to prev's, so the backward reduce-scatters wait for each other in reverse.
+    Named as a parameter, so no remat policy saves it: the backward pass recomputes it from the
+    re-gathered `prev`, and the re-gathers stay in order too. (XLA's optimization barrier orders
+    the schedule only, not XLA:CPU's runtime, which follows buffers.) Only where x and prev vary
+    over the same manual axes, since the sum would otherwise change x's type."""
+    return checkpoint_name(x + (prev.reshape(-1)[0] * 0).astype(x.dtype), PARAMS_TAG)
+
+
+def _after_fwd(x, prev, prev_shape):
+    return _after(x, prev, prev_shape), jnp.zeros((0,), prev.dtype)
+
+
+def _after_bwd(prev_shape, res, ct):
+    # prev's cotangent: 0 x the sum of x's, so the previous leaf's reduce-scatter waits for this one.
+    return ct, jnp.broadcast_to((ct.sum() * 0).astype(res.dtype), prev_shape)
+
+
+_after.defvjp(_after_fwd, _after_bwd)
 
 
 # --------------------------------------------------------------------------------------------

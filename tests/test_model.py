@@ -74,9 +74,10 @@ def test_gqa_matches_repeated_kv_heads():
 
 def test_auto_attention_is_cudnn_on_a_gpu(monkeypatch):
     """`model.attention: auto` asks jax for cuDNN's kernel on a GPU where the model's rule applies
-    (bf16/fp16, head size a multiple of 8 up to 128), XLA's elsewhere and where cuDNN refuses the
-    shapes while tracing. jax's own default (`implementation=None`) is XLA's attention, which on
-    an H200 held the float32 [seq, seq] scores of every head (64 GiB for Llama-1B at 8 x 2048)."""
+    (bf16/fp16, head size a multiple of 8 up to 128), and runs `xla_lse` elsewhere and where cuDNN
+    refuses the shapes while tracing. jax's own default (`implementation=None`) is XLA's attention,
+    which on an H200 held the float32 [seq, seq] scores of every head (64 GiB for Llama-1B at
+    8 x 2048)."""
     from jaxpar.model import layers
 
     asked, refuse = [], []
@@ -89,6 +90,7 @@ def test_auto_attention_is_cudnn_on_a_gpu(monkeypatch):
         return real(*args, implementation="xla", **kw)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    monkeypatch.setattr(layers, "lse_attention", lambda q, k, v: asked.append("xla_lse") or q)
     q = jnp.zeros((1, 8, 4, 16), jnp.bfloat16)
 
     def implementation(backend, **kw):
@@ -99,13 +101,75 @@ def test_auto_attention_is_cudnn_on_a_gpu(monkeypatch):
 
     assert implementation("gpu", dtype="bfloat16") == ["cudnn"]
     assert implementation("gpu", dtype="float16") == ["cudnn"]
-    assert implementation("cpu", dtype="bfloat16") == ["xla"]
-    assert implementation("gpu", dtype="float32") == ["xla"]
-    assert implementation("gpu", dtype="bfloat16", head_dim=12) == ["xla"]
+    assert implementation("cpu", dtype="bfloat16") == ["xla_lse"]
+    assert implementation("gpu", dtype="float32") == ["xla_lse"]
+    assert implementation("gpu", dtype="bfloat16", head_dim=12) == ["xla_lse"]
     assert implementation("gpu", dtype="bfloat16", attention="xla") == ["xla"]
+    assert implementation("gpu", dtype="bfloat16", attention="xla_lse") == ["xla_lse"]
     assert implementation("gpu", dtype="float32", attention="cudnn") == ["cudnn"]
     refuse.append("cudnn")
-    assert implementation("gpu", dtype="bfloat16") == ["cudnn", "xla"]
+    assert implementation("gpu", dtype="bfloat16") == ["cudnn", "xla_lse"]
+
+
+def _saved(f, *args):
+    """Shapes of the values JAX's linearization of f keeps for the backward pass (not its arguments)."""
+    from jax._src.ad_checkpoint import saved_residuals  # no public spelling in jax 0.10
+
+    return [a.shape for a, why in saved_residuals(f, *args) if not str(why).startswith("from the argument")]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lse_attention_is_xlas_attention_keeping_no_seq_by_seq_value(dtype):
+    """`xla_lse` computes XLA's attention (grouped-query heads: 8 query heads over 2 kv heads) and
+    its gradients, and keeps [heads, seq] floats for its backward where XLA's keeps [seq, seq]
+    probabilities, scores and masks. Tolerances: the forward is the same einsums and float32
+    softmax (float32 rounding apart); the backward recomputes the probabilities as exp(s - lse)
+    instead of reusing softmax's, a few float32 ulps (bf16: its 8-bit mantissa on the cast ds)."""
+    from jaxpar.model.lse_attention import lse_attention
+
+    B, T, N, K, H = 2, 32, 8, 2, 16
+    ks = jax.random.split(jax.random.key(0), 4)
+    dt = jnp.dtype(dtype)
+    q = jax.random.normal(ks[0], (B, T, N, H), dt)
+    k, v = (jax.random.normal(key, (B, T, K, H), dt) for key in ks[1:3])
+    g = jax.random.normal(ks[3], (B, T, N, H), dt)
+
+    def ref(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    out, pull = jax.vjp(lse_attention, q, k, v)
+    want, pull_ref = jax.vjp(ref, q, k, v)
+    rtol = 2e-6 if dtype == "float32" else 2e-2
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))
+    np.testing.assert_allclose(f32(out), f32(want), rtol=rtol, atol=rtol)
+    for got, exp in zip(pull(g), pull_ref(g)):
+        np.testing.assert_allclose(f32(got), f32(exp), rtol=rtol, atol=rtol * float(jnp.abs(f32(exp)).max()))
+    kept = _saved(lambda q, k, v: lse_attention(q, k, v).astype(jnp.float32).sum(), q, k, v)
+    assert kept and all(s[-2:] != (T, T) for s in kept), kept
+    assert any(s[-2:] == (T, T) for s in _saved(lambda q, k, v: ref(q, k, v).astype(jnp.float32).sum(), q, k, v))
+
+
+def test_swiglu_keeps_its_two_inputs_only():
+    """`layers.swiglu` is silu(g) * u with JAX's gradients, keeping g and u for its backward, where
+    JAX's own derivative keeps four more [tokens, d_ff] values; a dense llama layer keeps three
+    [tokens, d_ff] values in all (g, u and the down projection's input). Tolerance: the backward's
+    float32 sigmoid formula against JAX's chain rule, a few ulps."""
+    from jaxpar.model.layers import swiglu
+
+    g, u, dh = (jax.random.normal(key, (4, 8, 48)) for key in jax.random.split(jax.random.key(1), 3))
+    plain = lambda g, u: jax.nn.silu(g) * u
+    out, pull = jax.vjp(swiglu, g, u)
+    want, pull_ref = jax.vjp(plain, g, u)
+    np.testing.assert_array_equal(out, want)
+    for got, exp in zip(pull(dh), pull_ref(dh)):
+        np.testing.assert_allclose(got, exp, rtol=1e-6, atol=1e-6)
+    assert len(_saved(lambda g, u: swiglu(g, u).sum(), g, u)) == 0  # g and u are its arguments
+    assert len(_saved(lambda g, u: plain(g, u).sum(), g, u)) >= 2
+    cfg = small(n_layers=1, d_ff=48)
+    params = model.init_params(cfg, jax.random.key(2))
+    x = jax.random.normal(jax.random.key(3), (2, cfg.seq_len, cfg.d_model))
+    wide = [s for s in _saved(lambda p, x: model.bind(cfg, p).backbone(x, remat="none").sum(), params, x) if s[-1] == 48]
+    assert len(wide) == 3, wide
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -181,15 +181,18 @@ def test_stash_memory_follows_the_table_and_the_remat_policy():
 def test_stash_slots_are_written_and_read_a_layer_at_a_time():
     """F writes each layer's residuals straight into its stash slot and B reads them back one
     layer at a time (DESIGN.md §5.3), so beyond its p slots a 1F1B step holds one layer's working
-    set, not a second copy of a slot: here (4 layers per chunk) 0.58 of a slot beyond the 4, where
-    F's stacked residuals before their copy into the slot, and B's copy out of it, held 1.81."""
+    set, not a second copy of a slot. Here (4 layers per chunk) 6.9 MB beyond the 4 slots of 4.6
+    MB: 1.49 slots, where a copy of the chunk's residuals on the way into or out of a slot adds a
+    whole one (2.49 and up), hence the bound of 2. (Measured when the slot was 10.7 MB, before
+    `xla_lse` attention and `swiglu` kept half as much: 6.2 MB beyond, 0.58 of a slot; F's stacked
+    residuals and B's copy held 1.81 slots, 19.3 MB.)"""
     def cfg(schedule, m):
         return medium_pp(schedule, m).replace(model={"n_layers": 16})
 
     gpipe_4, gpipe_8 = temp_bytes(cfg("gpipe", 4)), temp_bytes(cfg("gpipe", 8))
     slot = (gpipe_8 - gpipe_4) / 4  # GPipe stashes all m microbatches: a slot per microbatch
     excess = (temp_bytes(cfg("1f1b", 4)) - 4 * slot) / slot
-    assert excess < 1.0, excess
+    assert excess < 2.0, excess
 
 
 def test_shared_leaves_are_stored_sharded_over_stage(monkeypatch):

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
+from jaxpar.model.lse_attention import lse_attention
 from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, enter_tp, exit_tp, local_kv_heads, tensor_parallel, varying_axes, vary
 
 
@@ -170,6 +171,52 @@ def _linear_bwd(k, res, g):
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
+_PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_plain_derivatives", default=False)
+
+
+@contextlib.contextmanager
+def plain_derivatives():
+    """Trace the model with JAX's own derivatives of SwiGLU and of `xla_lse` attention (XLA's
+    reference attention), which keep every value their forward computes: the planner reads a
+    layer's backward working set this way (`jaxpar.costs_activations`), since a backward that
+    recomputes materializes those values whatever its rule keeps."""
+    token = _PLAIN.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN.reset(token)
+
+
+def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
+    """silu(g) * u, SwiGLU's gate (Shazeer, 2020), keeping only g and u for its backward: JAX's own
+    derivative of `jax.nn.silu(g) * u` keeps four more [tokens, d_ff] values (sigmoid(g), silu(g)
+    and their products), most of a dense layer's saved activations. The backward recomputes
+    sigmoid(g) (elementwise work) in float32."""
+    return jax.nn.silu(g) * u if _PLAIN.get() else _swiglu(g, u)
+
+
+@jax.custom_vjp
+def _swiglu(g, u):
+    return jax.nn.silu(g) * u
+
+
+def _swiglu_fwd(g, u):
+    return _swiglu(g, u), (g, u)
+
+
+def _swiglu_bwd(res, dh):
+    g, u = res
+    g32, u32, dh32 = g.astype(jnp.float32), u.astype(jnp.float32), dh.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g32)
+    # d silu(g) / dg = sigmoid(g) (1 + g (1 - sigmoid(g)))
+    dg = dh32 * u32 * sig * (1 + g32 * (1 - sig))
+    du = dh32 * g32 * sig
+    return dg.astype(g.dtype), du.astype(u.dtype)
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last dim. Statistics in float32 whatever the compute dtype: bf16 sums of
     squares lose the small terms."""
@@ -250,20 +297,24 @@ def flash_attention_applies(cfg: ModelConfig, platform: str) -> bool:
 
 
 def dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cfg: ModelConfig) -> jax.Array:
-    """Causal attention with grouped-query heads (N a multiple of K) through
-    `jax.nn.dot_product_attention`: `model.attention` `xla` or `cudnn` as asked; `auto` cuDNN's
-    kernel where `flash_attention_applies` on the backend the step is traced for, else XLA's, and
-    XLA's also where cuDNN refuses the shapes while tracing (jax raises ValueError or
-    NotImplementedError before emitting anything)."""
+    """Causal attention with grouped-query heads (N a multiple of K), by `model.attention`: `xla_lse`
+    (`jaxpar.model.lse_attention`: XLA's einsums and softmax, whose backward recomputes the
+    probabilities from the saved log-sum-exp), `xla` (`jax.nn.dot_product_attention`'s reference
+    path, which keeps the [seq, seq] probabilities for the backward), `cudnn` (its fused kernel);
+    `auto` cuDNN's kernel where `flash_attention_applies` on the backend the step is traced for,
+    else `xla_lse`, and `xla_lse` also where cuDNN refuses the shapes while tracing (jax raises
+    ValueError or NotImplementedError before emitting anything)."""
     attend = functools.partial(jax.nn.dot_product_attention, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True)
-    if cfg.attention != "auto":
+    if cfg.attention in ("xla", "cudnn"):
         return attend(implementation=cfg.attention)
-    if flash_attention_applies(cfg, jax.default_backend()):
+    if cfg.attention == "auto" and flash_attention_applies(cfg, jax.default_backend()):
         try:
             return attend(implementation="cudnn")
         except (ValueError, NotImplementedError):
             pass
-    return attend(implementation="xla")
+    if _PLAIN.get():  # (the planner's trace of what a layer's backward materializes)
+        return attend(implementation="xla")
+    return lse_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
 
 
 class Attention(nnx.Module):
@@ -349,7 +400,7 @@ class MLP(nnx.Module):
         h_BxTxF = linear(x_BxTxD, self.w_up[...].astype(dt))
         if self.arch == "llama":
             g_BxTxF = linear(x_BxTxD, self.w_gate[...].astype(dt))
-            h_BxTxF = jax.nn.silu(g_BxTxF) * h_BxTxF
+            h_BxTxF = swiglu(g_BxTxF, h_BxTxF)
         else:
             h_BxTxF = jax.nn.gelu(h_BxTxF + self.b_up[...].astype(dt), approximate=True)
         h_BxTxF = constrain(h_BxTxF, ("batch", "seq", "mlp"))

@@ -36,7 +36,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.layers import linear, param
+from jaxpar.model.layers import linear, param, swiglu
 from jaxpar.sharding import (DOT_TAG, constrain, enter_tp, exchange_experts, exit_tp, gather_sequence_shards,
                              sequence_shard_index, sequence_shards, tensor_parallel_size, varying_axes, vary,
                              zeros_like_varying)
@@ -185,7 +185,7 @@ class MoE(nnx.Module):
     def shared(self, x_BxTxD: jax.Array) -> jax.Array:
         """The shared experts (one SwiGLU MLP), as a partial sum under tensor parallelism."""
         dt = cfg_dtype(self.cfg)
-        h = jax.nn.silu(linear(x_BxTxD, self.shared_gate[...].astype(dt))) * linear(x_BxTxD, self.shared_up[...].astype(dt))
+        h = swiglu(linear(x_BxTxD, self.shared_gate[...].astype(dt)), linear(x_BxTxD, self.shared_up[...].astype(dt)))
         h = constrain(h, ("batch", "seq", "mlp"))
         return linear(h, self.shared_down[...].astype(dt))
 
@@ -355,7 +355,7 @@ def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = x_NxD[order // k]
-    h = jax.nn.silu(grouped(xs, w_gate_ExDxF, sizes)) * grouped(xs, w_up_ExDxF, sizes)
+    h = swiglu(grouped(xs, w_gate_ExDxF, sizes), grouped(xs, w_up_ExDxF, sizes))
     ys = grouped(h, w_down_ExFxD, sizes)
     y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
     return jnp.einsum("nkd,nk->nd", y.reshape(N, k, -1), gates_NxK)
@@ -417,7 +417,7 @@ def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_do
     local = jnp.argsort(recv_e, stable=True)  # grouped by local expert, empty rows last
     sizes = jnp.sum(jax.nn.one_hot(recv_e, El, dtype=jnp.int32), axis=0)
     xs = recv[local]
-    h = jax.nn.silu(grouped(xs, w_gate, sizes)) * grouped(xs, w_up, sizes)
+    h = swiglu(grouped(xs, w_gate, sizes), grouped(xs, w_up, sizes))
     ys = grouped(h, w_down, sizes)
     y_recv = jnp.zeros_like(ys).at[local].set(ys, unique_indices=True)
     back = exchange_experts(y_recv, groups)  # each row back where it was sent from

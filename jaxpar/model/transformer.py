@@ -301,7 +301,9 @@ def bind(cfg: ModelConfig, params: Params) -> Transformer:
     state = jax.tree.map(lambda x: x, state)  # a fresh copy: the cached abstract state stays untouched
     # Block parameters are marked layer by layer inside the scan (`run_blocks`), the rest here.
     names = param_names(cfg)
-    params = {k: v if k == "blocks" else use_params(v, names[k]) for k, v in params.items()}
+    # (One call, so that on simulated devices their ZeRO-3 gathers run one after another.)
+    rest = use_params({k: v for k, v in params.items() if k != "blocks"}, {k: names[k] for k in params if k != "blocks"})
+    params = {k: params[k] if k == "blocks" else rest[k] for k in params}
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
 

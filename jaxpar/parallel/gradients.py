@@ -249,7 +249,11 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     def grads_of(diff, params, rows):
         def loss_of(diff):
             return loss_fn(mark_for_use(red, diff, params, layout.zero_dims), rows, n_tokens)
-        with activation_rules(mesh, rules, param_fn=param_fn, tp=tp, compute_dtype=cfg.model.dtype):
+        # (ZeRO-3's gathers one after another on simulated devices, `sharding._after`: +3% temp
+        # here; a pipeline's tick, where it cost +32% on tests/test_composition.py's model, does
+        # without, DESIGN.md §9.)
+        with activation_rules(mesh, rules, param_fn=param_fn, tp=tp, compute_dtype=cfg.model.dtype,
+                              serial_gathers=True):
             return jax.value_and_grad(loss_of)(diff)
 
     def accumulate(diff, params, batch):
