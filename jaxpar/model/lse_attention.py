@@ -8,7 +8,7 @@ row, the log-sum-exp of its scores; the probabilities come back as exp(scores - 
 which are kept anyway. This is that backward in plain JAX, untiled: the forward computes what XLA's
 attention computes (same einsums, float32 softmax) and keeps [batch, heads, seq] floats instead of
 [batch, heads, seq, seq]; the backward pays one more q·kᵀ matmul (2·seq·d_attn FLOPs per token and
-layer). It is what `torch.nn.functional.scaled_dot_product_attention` keeps on a CPU. DESIGN.md §6.2.
+layer). It is what `torch.nn.functional.scaled_dot_product_attention` keeps on a CPU. DESIGN.md decision 14.
 """
 
 from __future__ import annotations
