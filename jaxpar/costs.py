@@ -312,7 +312,9 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     # and the cotangents of about half the layer's saved values, not half of every value the
     # forward computes (measured on CPU: with that term too, the 1F1B and ZB-H1 cases of
     # tests/test_plan.py read +17% and +19%, without it +12% and +13%).
-    transient = max(recomputed + act["layer_saved"] // 2, working if p > 1 else act["layer_all"] // 2, working)
+    transient = max(recomputed + act["layer_saved"] // 2, working)
+    if p == 1:
+        transient = max(transient, act["layer_all"] // 2)
     if p > 1 and _stage_slots(cfg, p) is not None:
         # Where the stages' layer slots are gathered (uneven stages) the step's peak is
         # elsewhere, about a slot above that (measured on CPU: README, "Planning a run").
