@@ -168,9 +168,10 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     """`(params, batch) -> (loss, grads)` of the global batch through the pipeline.
 
     `loss_sum(logits, targets)` is the summed token loss of a microbatch; it is divided once by
-    the global token count. With `poison_idle`, the received activation of a tick without F is NaN
-    (a test that bubbles never leak into gradients; B's and W's slot reads happen inside their
-    actions' conds, so an idle tick reads no stash slot at all).
+    the global token count. With `poison_idle`, what a stage sends on a tick without F (or
+    without B and I) is NaN: a test that an idle tick's send never lands in a buffer, so bubbles
+    never leak into gradients (every action reads its input row and stash slot inside its own
+    cond, so an idle tick reads neither).
     """
     p, t = mesh.shape[STAGE], mesh.shape[MODEL]
     v = table.chunks
@@ -597,11 +598,10 @@ class StageRun:
         fv, fmb, fk = row["f_valid"][stage], row["f_mb"][stage], row["f_chunk"][stage]
         bv, iv, wv = row["b_valid"][stage], row["i_valid"][stage], row["w_valid"][stage]
         bk = row["b_chunk"][stage] + row["i_chunk"][stage]  # at most one of B and I per tick
-        x_f = fwd_buf[row["f_in"][stage]]
-        if s.poison_idle:
-            x_f = jnp.where(fv > 0, x_f, jnp.nan)
-
-        cot = bwd_buf[row["b_in"][stage] + row["i_in"][stage]]
+        # (Each action reads its input row inside its own cond: an idle tick copies none.)
+        def idle():  # what a tick without F (B, I) sends: zeros (NaN with `poison_idle`; never received)
+            z = self.zeros(self.act_shape)
+            return z + jnp.nan if s.poison_idle else z
 
         # The gradients accumulate inside the action's cond: an idle tick neither fills zeros
         # nor adds them to the float32 accumulators. I writes W's pairs into its stash slot
@@ -613,6 +613,7 @@ class StageRun:
             # (The stash slot is read in here, layer by layer, not before the cond: a slice of
             # every residual leaf, megabytes, copied on every tick would cost more than the
             # matmuls of an idle tick.)
+            cot = _row(bwd_buf, row["b_in"][stage] + row["i_in"][stage])
             d_rest, g_shared, dx, d_taps = self.backward(bufs[0], row["b_stash"][stage] + row["i_stash"][stage], cot,
                                                          bk, g_shared)
             d_taps = {k_: tuple(vary(a, taps[k_][4]) for a in xg) for k_, xg in (d_taps or {}).items()}
@@ -623,7 +624,7 @@ class StageRun:
             return self.add(acc, d_rest, bk), g_shared, dx, d_taps, bufs if split_i else ()
 
         def no_b(acc, bufs, g_shared):
-            return (acc, g_shared, zeros_like_varying(x_f), {} if split_i else self.zero_taps(),
+            return (acc, g_shared, idle(), {} if split_i else self.zero_taps(),
                     bufs if split_i else ())
 
         acc_rest, g_shared, dx, d_taps, bufs = jax.lax.cond(
@@ -660,25 +661,26 @@ class StageRun:
         # frees may be the one F fills in the same tick). The residuals' structure B unflattens
         # was fixed by `initial_carry`'s trace of F.
         # F's input waits for B's and W's results (`_after`): its cond runs after theirs.
-        x_f = after(x_f)
-
         def run_f(stash, g_shared):
+            x_f = after(_row(fwd_buf, row["f_in"][stage]))
             return self.forward(x_f, fmb, fk, stash, row["f_stash"][stage], g_shared)
 
         # (Only the first chunk's B, the embedding, and the last chunk's F, the head, add to the
         # shared leaves' vocabulary-sized float32 accumulators, inside their own conds.)
         y, stash, g_shared, loss = jax.lax.cond(
             fv > 0, run_f,
-            lambda stash, g_shared: (zeros_like_varying(x_f), stash, g_shared,
+            lambda stash, g_shared: (idle(), stash, g_shared,
                                      self.zeros((), jnp.float32, (*s.data_axes, STAGE))),
             stash, g_shared)
         # One hop per tick: activations to the next stage, gradients to the previous one; the
         # table says which slot each arrival lands in (-1: nothing arrives).
         recv_f = jax.lax.ppermute(y, STAGE, s.fwd_pairs)
         recv_b = jax.lax.ppermute(dx, STAGE, s.bwd_pairs)
+        # (Under a cond, not a select with the row's old contents: a tick where nothing arrives
+        # neither reads nor writes the buffer.)
         rf, rb = row["f_recv"][stage], row["b_recv"][stage]
-        fwd_buf = _set_row(fwd_buf, jnp.where(rf >= 0, recv_f, _row(fwd_buf, jnp.maximum(rf, 0))), jnp.maximum(rf, 0))
-        bwd_buf = _set_row(bwd_buf, jnp.where(rb >= 0, recv_b, _row(bwd_buf, jnp.maximum(rb, 0))), jnp.maximum(rb, 0))
+        fwd_buf = jax.lax.cond(rf >= 0, lambda b: _set_row(b, recv_f, rf), lambda b: b, fwd_buf)
+        bwd_buf = jax.lax.cond(rb >= 0, lambda b: _set_row(b, recv_b, rb), lambda b: b, bwd_buf)
         return Carry(fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss), None
 
 
