@@ -7,7 +7,7 @@
 With `--program`, builds `pipeline_work.py`'s program (the torch benchmark's llama; `pipe`: the
 pipelined step on (1, 4, 1), `dp`: ZeRO-0 on (4, 1, 1)), runs two warm-up steps, traces `--steps`
 steps and prints, per op, its self time per step (the op's time on its thread less the ops nested
-in it, summed over the pool's threads), its executions per step and, from the compiled program's
+in it, summed over the pool's threads and the client's, which start each device's program), its executions per step and, from the compiled program's
 HLO, its shape and the JAX operation it came from. With `--trace`, reads an existing trace (a
 `.xplane.pb` or a folder holding one, e.g. a run's `train.profile_start` output) instead.
 
@@ -33,32 +33,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def self_times(xplane: str) -> tuple[collections.Counter, collections.Counter]:
-    """(op -> self nanoseconds, op -> executions) over the trace's XLA pool threads."""
+    """(op -> self nanoseconds, op -> executions) over the trace's XLA threads: the pool's, and the
+    client's, which start each device's program (its first ops, e.g. the zero fills) and then wait
+    for it (`ThunkExecutor` rows, left out of `report`'s figures)."""
     import jax
 
     data = jax.profiler.ProfileData.from_file(xplane)
     total, count = collections.Counter(), collections.Counter()
-    for plane in data.planes:
-        for line in plane.lines:
-            if not line.name.startswith("tf_XLAEigen"):  # the pool's threads (not the client's waiting one)
-                continue
-            events = sorted(((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events),
-                            key=lambda e: (e[0], -e[1]))
-            stack = []  # [end, name, start, nested time]
+    for line in (line for plane in data.planes for line in plane.lines
+                 if line.name.startswith(("tf_XLAEigen", "tf_XLAPjRtCpuClient"))):
+        events = sorted(((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events),
+                        key=lambda e: (e[0], -e[1]))
+        stack = []  # [end, name, start, nested time]
 
-            def pop():
-                end, name, start, nested = stack.pop()
-                total[name] += (end - start) - nested
-                count[name] += 1
-                if stack:
-                    stack[-1][3] += end - start
+        def pop():
+            end, name, start, nested = stack.pop()
+            total[name] += (end - start) - nested
+            count[name] += 1
+            if stack:
+                stack[-1][3] += end - start
 
-            for start, end, name in events:
-                while stack and stack[-1][0] <= start:
-                    pop()
-                stack.append([end, name, start, 0])
-            while stack:
+        for start, end, name in events:
+            while stack and stack[-1][0] <= start:
                 pop()
+            stack.append([end, name, start, 0])
+        while stack:
+            pop()
     return total, count
 
 
@@ -73,11 +73,12 @@ def hlo_index(text: str) -> dict:
 
 def report(total, count, steps: int, hlo: dict, top: int) -> str:
     rows = ["| self s per step | per step | op | shape | from |", "|---:|---:|---|---|---|"]
-    for name, ns in [(k, v) for k, v in total.most_common() if not k.startswith("ThunkExecutor")][:top]:
+    executor = lambda k: k.startswith("ThunkExecutor") or "PjRt" in k  # noqa: E731  (the runtime's own rows)
+    for name, ns in [(k, v) for k, v in total.most_common() if not executor(k)][:top]:
         shape, op = hlo.get(name, ("", ""))
         op = re.sub(r"^jit\([^)]*\)/(shard_map/)?", "", op)
         rows.append(f"| {ns / steps / 1e9:.4f} | {count[name] / steps:g} | {name} | {shape[:40]} | {op[-90:]} |")
-    busy = sum(v for k, v in total.items() if not k.startswith(("Wait", "Rendezvous", "ThunkExecutor")))
+    busy = sum(v for k, v in total.items() if not (k.startswith(("Wait", "Rendezvous")) or executor(k)))
     rows.append(f"\nAll ops' self time: {busy / steps / 1e9:.3f} thread-s per step (waits and the executor's own "
                 f"rows excluded).")
     return "\n".join(rows)
