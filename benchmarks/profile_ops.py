@@ -7,8 +7,9 @@
 With `--program`, builds `pipeline_work.py`'s program (the torch benchmark's llama; `pipe`: the
 pipelined step on (1, 4, 1), `dp`: ZeRO-0 on (4, 1, 1)), runs two warm-up steps, traces `--steps`
 steps and prints, per op, its self time per step (the op's time on its thread less the ops nested
-in it, summed over the pool's threads and the client's, which start each device's program), its executions per step and, from the compiled program's
-HLO, its shape and the JAX operation it came from. With `--trace`, reads an existing trace (a
+in it, summed over the pool's threads and the client's, which start each device's program), its
+executions per step and, from the compiled program's HLO, its shape and the JAX operation it came
+from. With `--trace`, reads an existing trace (a
 `.xplane.pb` or a folder holding one, e.g. a run's `train.profile_start` output) instead.
 
 Executions per step tell where an op runs: in a pipeline of p = 4 stages and T ticks, 4·T per

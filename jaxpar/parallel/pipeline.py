@@ -598,8 +598,9 @@ class StageRun:
         fv, fmb, fk = row["f_valid"][stage], row["f_mb"][stage], row["f_chunk"][stage]
         bv, iv, wv = row["b_valid"][stage], row["i_valid"][stage], row["w_valid"][stage]
         bk = row["b_chunk"][stage] + row["i_chunk"][stage]  # at most one of B and I per tick
-        # (Each action reads its input row inside its own cond: an idle tick copies none.)
-        def idle():  # what a tick without F (B, I) sends: zeros (NaN with `poison_idle`; never received)
+        # Each action reads its input row (F's activation, B's or I's cotangent) inside its own
+        # cond, so an idle tick copies none; it sends `idle()`, which no receiver writes.
+        def idle():  # zeros (NaN with `poison_idle`)
             z = self.zeros(self.act_shape)
             return z + jnp.nan if s.poison_idle else z
 
