@@ -287,10 +287,11 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         grads = st["local"] * (f32 + g)
     grads += upcast
     logits = rows * m.seq_len * m.padded_vocab // t * 4
-    # What remat recomputes in a layer's backward: `layer_all` counts every value the layer's
-    # forward computes (JAX's own derivatives), `layer_saved` what the policy keeps. Under `none`
-    # nothing is recomputed but inside SwiGLU's and xla_lse attention's own backward rules.
-    recomputed = act["layer_all"] - act["layer_saved"] if par.remat != "none" else 0
+    # What remat recomputes in a layer's backward: `layer_backward` counts what the layer's
+    # backward holds with no remat (every rule's residuals, and xla_lse attention's query block
+    # being differentiated), `layer_saved` what the policy keeps. Under `none` nothing is
+    # recomputed but inside SwiGLU's and xla_lse attention's own backward rules.
+    recomputed = act["layer_backward"] - act["layer_saved"] if par.remat != "none" else 0
     if platform == "gpu":
         # Outside the layer scan XLA's GPU fusions fold the loss's elementwise work into the
         # backward pass, so the values JAX saves there (several [batch, seq, vocab] float32 arrays)
@@ -306,15 +307,15 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     saved = (act["layers"] if p == 1 else 0) + head  # (a pipeline's are in its stash)
     # With microbatches every one runs inside the accumulation loop: one microbatch's
     # activations at a time. A layer's backward holds what remat recomputed beside the
-    # cotangents of about half its saved values, or half of all its values as cotangents. A
+    # cotangents of about half its saved values, or half of what it holds as cotangents. A
     # pipeline's F writes each layer's residuals straight into its stash slot and B reads them
     # back one layer at a time (DESIGN.md §5.3): its tick's working set is what remat recomputes
-    # and the cotangents of about half the layer's saved values, not half of every value the
-    # forward computes (measured on CPU: with that term too, the 1F1B and ZB-H1 cases of
-    # tests/test_plan.py read +17% and +19%, without it +12% and +13%).
+    # and the cotangents of about half the layer's saved values, not half of all it holds
+    # (measured on CPU: with that term too, the 1F1B and ZB-H1 cases of tests/test_plan.py read
+    # +17% and +19%, without it +12% and +13%).
     transient = max(recomputed + act["layer_saved"] // 2, working)
     if p == 1:
-        transient = max(transient, act["layer_all"] // 2)
+        transient = max(transient, act["layer_backward"] // 2)
     if p > 1 and _stage_slots(cfg, p) is not None:
         # Where the stages' layer slots are gathered (uneven stages) the step's peak is
         # elsewhere, about a slot above that (measured on CPU: README, "Planning a run").

@@ -19,7 +19,7 @@ _TP_NAMES = ("heads", "mlp", "vocab", "expert_mlp")
 
 @functools.lru_cache(maxsize=1024)
 def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool,
-                           flash: bool = False, space: str | None = None, plain: bool = False) -> tuple[int, int]:
+                           flash: bool = False, space: str | None = None, working: bool = False) -> tuple[int, int]:
     """(bytes saved for the backward pass, bytes of the largest single saved value) of the loss of
     `rows` sequences through `mcfg.n_layers` blocks (with embedding, head and loss if `head`, else
     the blocks alone) on one device of a `model` axis of size t (tensor parallelism, and sequence
@@ -31,9 +31,9 @@ def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: 
     stored anyway). With `flash`, attention is cuDNN's fused kernel as on a GPU, which saves q, k,
     v, its output and the softmax statistics instead of the [seq, seq] scores (`_flash_standin`).
     With `space` ("device" or "host"), only the values JAX places in that memory (remat `offload`
-    puts its saved matmul outputs on the host). With `plain`, SwiGLU and `xla_lse` attention are
-    traced with JAX's own derivatives (`model.layers.plain_derivatives`): every value their forward
-    computes, what a recomputing backward materializes."""
+    puts its saved matmul outputs on the host). With `working`, `xla_lse` attention also saves what
+    its backward materializes at once (`model.layers.backward_working_set`): with remat `none`,
+    what a layer's backward holds besides cotangents."""
     from jax._src.ad_checkpoint import saved_residuals  # no public spelling in jax 0.10
 
     from jaxpar.sharding import LOGICAL_NAMES, Rules, TensorParallel, activation_rules
@@ -69,9 +69,9 @@ def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: 
             found.extend(saved_residuals(loss, local, inputs))
         return _
 
-    from jaxpar.model.layers import plain_derivatives
+    from jaxpar.model.layers import backward_working_set
 
-    with _attention_kernel(flash), (plain_derivatives() if plain else contextlib.nullcontext()):
+    with _attention_kernel(flash), (backward_working_set() if working else contextlib.nullcontext()):
         _trace_into(found, trace, loss, local, inputs, t)
     sizes = [aval.size * aval.dtype.itemsize for aval, why in found if not str(why).startswith("from the argument")
              and (space is None or aval.memory_space.name.lower() == space)]
@@ -128,12 +128,12 @@ class _attention_kernel:
 
 @functools.lru_cache(maxsize=1024)
 def _bilinear(mcfg, t: int, sp: bool, remat: str, head: bool, flash: bool,
-              space: str | None = None, plain: bool = False) -> tuple[float, float, float, float]:
+              space: str | None = None, working: bool = False) -> tuple[float, float, float, float]:
     """(a, b, c, e) with saved bytes = a + b·rows + c·layers + e·rows·layers: every saved value is
     per row (the batch dim) or not (tables, masks), and per layer (the scan stacks it) or not
     (embedding, head, loss), so four traces give the exact bilinear form for any rows and depth."""
     f = {(r, n): saved_activation_bytes(dataclasses.replace(mcfg, n_layers=n), r, t, sp, remat, head, flash, space,
-                                        plain)[0]
+                                        working)[0]
          for r in (1, 2) for n in (1, 2)}
     e = f[2, 2] - f[1, 2] - f[2, 1] + f[1, 1]
     c = f[1, 2] - f[1, 1] - e
@@ -144,17 +144,17 @@ def _bilinear(mcfg, t: int, sp: bool, remat: str, head: bool, flash: bool,
 def _activations(mcfg, rows: int, t: int, sp: bool, remat: str, head: bool, flash: bool) -> dict[str, int]:
     """Saved activations of `rows` sequences through `mcfg.n_layers` layers: stacked by the layer
     scan (`layers`), once for the step (`fixed`: RoPE tables, the causal mask), and outside the
-    scan per row (`outside`: embedding, head, loss); and of one layer with no remat
-    (`layer_all`: every value its forward computes, JAX's own derivatives throughout, for the
-    working set of a backward that recomputes; `model.layers.plain_derivatives`) and with `remat`
-    (`layer_saved`)."""
-    out = {"layers": 0, "layer_saved": 0, "layer_all": 0}
+    scan per row (`outside`: embedding, head, loss); and of one layer, what its backward holds
+    besides cotangents with no remat (`layer_backward`: the residuals of every rule, and the values
+    a rule's backward materializes at once, `model.layers.backward_working_set`) and what it saves
+    with `remat` (`layer_saved`)."""
+    out = {"layers": 0, "layer_saved": 0, "layer_backward": 0}
     for base, count in _layer_kinds(mcfg):
         a, b, c, e = _bilinear(base, t, sp, remat, head, flash)
-        _, _, c0, e0 = _bilinear(base, t, sp, "none", head, flash, plain=True)
+        _, _, c0, e0 = _bilinear(base, t, sp, "none", head, flash, working=True)
         out["layers"] += int((c + e * rows) * count)  # the largest layer's, for what one layer holds:
         out["layer_saved"] = max(out["layer_saved"], int(c + e * rows))
-        out["layer_all"] = max(out["layer_all"], int(c0 + e0 * rows))
+        out["layer_backward"] = max(out["layer_backward"], int(c0 + e0 * rows))
     return {**out, "fixed": int(a), "outside": int(b * rows)}
 
 

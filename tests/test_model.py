@@ -1,5 +1,7 @@
 """Behaviour of the model: causality, remat, jit, grouped-query attention, bf16 compute."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,16 +120,32 @@ def _saved(f, *args):
     return [a.shape for a, why in saved_residuals(f, *args) if not str(why).startswith("from the argument")]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_lse_attention_is_xlas_attention_keeping_no_seq_by_seq_value(dtype):
+def test_lse_attention_query_blocks():
+    """Causal query blocks of at least 64 rows, at most 8, dividing the sequence; one block where
+    the keys are not the queries' own sequence."""
+    from jaxpar.model.lse_attention import query_blocks
+
+    assert query_blocks(32, 32) == [(0, 32)]
+    assert query_blocks(128, 128) == [(0, 64), (64, 128)]
+    assert query_blocks(192, 192) == [(0, 64), (64, 128), (128, 192)]
+    assert query_blocks(4096, 4096) == [(i * 512, (i + 1) * 512) for i in range(8)]
+    assert query_blocks(100, 100) == [(0, 100)]
+    assert query_blocks(130, 130) == [(0, 65), (65, 130)]
+    assert query_blocks(128, 256) == [(0, 128)]
+
+
+@pytest.mark.parametrize("dtype,T", [("float32", 32), ("bfloat16", 32), ("float32", 192), ("bfloat16", 192)])
+def test_lse_attention_is_xlas_attention_keeping_no_seq_by_seq_value(dtype, T):
     """`xla_lse` computes XLA's attention (grouped-query heads: 8 query heads over 2 kv heads) and
     its gradients, and keeps [heads, seq] floats for its backward where XLA's keeps [seq, seq]
-    probabilities, scores and masks. Tolerances: the forward is the same einsums and float32
-    softmax (float32 rounding apart); the backward recomputes the probabilities as exp(s - lse)
-    instead of reusing softmax's, a few float32 ulps (bf16: its 8-bit mantissa on the cast ds)."""
+    probabilities, scores and masks; at T = 192 in three causal query blocks (`query_blocks`),
+    at 32 in one. Tolerances: the forward is the same einsums and float32 softmax (float32
+    rounding apart: a block's row sums run over its own keys); the backward recomputes the
+    probabilities as exp(s - lse) instead of reusing softmax's and sums dk and dv over the
+    blocks, a few float32 ulps (bf16: its 8-bit mantissa on the cast ds)."""
     from jaxpar.model.lse_attention import lse_attention
 
-    B, T, N, K, H = 2, 32, 8, 2, 16
+    B, N, K, H = 2, 8, 2, 16
     ks = jax.random.split(jax.random.key(0), 4)
     dt = jnp.dtype(dtype)
     q = jax.random.normal(ks[0], (B, T, N, H), dt)
@@ -147,6 +165,46 @@ def test_lse_attention_is_xlas_attention_keeping_no_seq_by_seq_value(dtype):
     kept = _saved(lambda q, k, v: lse_attention(q, k, v).astype(jnp.float32).sum(), q, k, v)
     assert kept and all(s[-2:] != (T, T) for s in kept), kept
     assert any(s[-2:] == (T, T) for s in _saved(lambda q, k, v: ref(q, k, v).astype(jnp.float32).sum(), q, k, v))
+
+
+def test_lse_attention_query_blocks_skip_the_masked_triangle(monkeypatch):
+    """From the compiled forward and backward: in 4 causal query blocks (T = 256) the attention
+    runs (n + 1) / 2n = 5/8 of the one-block program's FLOPs (every [T, S] product and elementwise
+    op is computed for the blocks under the diagonal only); 0.7 leaves room for the ops that do
+    not scale (the per-row log-sum-exp and delta, the pads of dk and dv)."""
+    from jaxpar.model import lse_attention as la
+
+    B, T, N, K, H = 1, 256, 4, 2, 16
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, T, K, H), jnp.float32)
+
+    def flops():
+        step = jax.jit(jax.grad(lambda q, k, v: la.lse_attention(q, k, v).sum(), argnums=(0, 1, 2)))
+        return step.lower(q, kv, kv).compile().cost_analysis()["flops"]
+
+    assert len(la.query_blocks(T, T)) == 4
+    blocked = flops()
+    monkeypatch.setattr(la, "MAX_BLOCKS", 1)
+    assert len(la.query_blocks(T, T)) == 1
+    assert blocked < 0.7 * flops(), blocked
+
+
+def test_the_planners_working_set_trace_counts_one_query_block():
+    """`backward_working_set` (the planner's trace of what a layer's backward holds) saves, beside
+    `xla_lse` attention's residuals, the largest query block's float32 p, dp and ds, exactly: at T
+    = 128, the block of rows [64, 128) over all 128 keys."""
+    from jaxpar.model.layers import backward_working_set, dot_product_attention
+
+    cfg = ModelConfig(arch="llama", n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128,
+                            vocab_size=64, seq_len=128)
+    B, T, N, K, H = 2, 128, 4, 2, 16
+    q = jnp.ones((B, T, N, H), jnp.float32)
+    kv = jnp.ones((B, T, K, H), jnp.float32)
+    f = lambda q, k, v: dot_product_attention(q, k, v, cfg).sum()
+    kept = lambda: sum(math.prod(s) for s in _saved(f, q, kv, kv))
+    plain = kept()
+    with backward_working_set():
+        assert kept() - plain == 3 * B * N * 64 * T
 
 
 def test_swiglu_keeps_its_two_inputs_only():

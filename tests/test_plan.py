@@ -21,7 +21,7 @@ from jaxpar.train.step import lower_step
 # Predicted per-device memory (arguments + temp of `compiled.memory_analysis()`) within 15%: the
 # activations come from JAX's own saved residuals, but XLA's temporaries beyond them (the backward
 # working set of one layer, optimizer update buffers) are modelled, not read; measured errors on
-# this matrix are -12.1% .. +12.8% (README, "Planning a run").
+# this matrix are -13.6% .. +12.8% (README, "Planning a run").
 MEMORY_RTOL = 0.15
 # Bytes per axis within 10% of the inspector's count: the planner leaves out scalars (loss, norm
 # partial sums) and, inside a pipeline, a few small collectives of the loss; measured 0-5%.
@@ -326,7 +326,7 @@ def test_zero3_gather_per_step_trades_memory_for_traffic():
 
 # Per-device memory on a GPU, against the compiled steps that `benchmarks/gpu.py` recorded on an
 # H200 (kept in benchmarks/results/gpu_h200.json: cuDNN and XLA attention, remat none/dots/full,
-# bf16 compute). Same 15% as on CPU; measured -3% .. +14%, the largest on llama-1b where XLA's
+# bf16 compute). Same 15% as on CPU; measured -2% .. +12%, the largest on llama-1b where XLA's
 # schedule keeps less of the head's working set alive than modelled.
 GPU_RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "gpu_h200.json")
 

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.lse_attention import lse_attention
+from jaxpar.model.lse_attention import lse_attention, working_set_attention
 from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, enter_tp, exit_tp, local_kv_heads, tensor_parallel, varying_axes, vary
 
 
@@ -171,20 +171,20 @@ def _linear_bwd(k, res, g):
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
-_PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_plain_derivatives", default=False)
+_WORKING_SET: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_backward_working_set", default=False)
 
 
 @contextlib.contextmanager
-def plain_derivatives():
-    """Trace the model with JAX's own derivatives of SwiGLU and of `xla_lse` attention (XLA's
-    reference attention), which keep every value their forward computes: the planner reads a
-    layer's backward working set this way (`jaxpar.costs_activations`), since a backward that
-    recomputes materializes those values whatever its rule keeps."""
-    token = _PLAIN.set(True)
+def backward_working_set():
+    """Trace the model with `xla_lse` attention saving, beside its residuals, what its backward
+    materializes at once (`jaxpar.model.lse_attention.working_set_attention`): the planner reads a
+    layer's backward working set this way (`jaxpar.costs_activations`). SwiGLU's rule needs no
+    stand-in: its backward is one elementwise fusion over the g and u it keeps."""
+    token = _WORKING_SET.set(True)
     try:
         yield
     finally:
-        _PLAIN.reset(token)
+        _WORKING_SET.reset(token)
 
 
 def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
@@ -192,7 +192,7 @@ def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
     derivative of `jax.nn.silu(g) * u` keeps four more [tokens, d_ff] values (sigmoid(g), silu(g)
     and their products), most of a dense layer's saved activations. The backward recomputes
     sigmoid(g) (elementwise work) in float32."""
-    return jax.nn.silu(g) * u if _PLAIN.get() else _swiglu(g, u)
+    return _swiglu(g, u)
 
 
 @jax.custom_vjp
@@ -312,8 +312,8 @@ def dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cfg: ModelConfig) -> 
             return attend(implementation="cudnn")
         except (ValueError, NotImplementedError):
             pass
-    if _PLAIN.get():  # (the planner's trace of what a layer's backward materializes)
-        return attend(implementation="xla")
+    if _WORKING_SET.get():  # (the planner's trace of what a layer's backward holds)
+        return working_set_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
     return lse_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
 
 
