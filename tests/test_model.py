@@ -207,6 +207,29 @@ def test_the_planners_working_set_trace_counts_one_query_block():
         assert kept() - plain == 3 * B * N * 64 * T
 
 
+@pytest.mark.parametrize("x_shape,w_shape,k", [
+    ((2, 16, 8), (8, 24), 1),      # C < O: the transposed input feeds the weight gradient
+    ((2, 16, 24), (24, 8), 1),     # C > O (an MLP's down projection): the transposed cotangent
+    ((2, 16, 4, 6), (4, 6, 8), 2),  # two contracting dims (attention's output projection)
+])
+def test_linear_is_the_einsum_with_its_gradients(x_shape, w_shape, k):
+    """`layers.linear` (on XLA:CPU a custom backward whose weight gradient multiplies a transposed
+    copy of the smaller of x and g) computes the einsum and its gradients. Tolerance: float32
+    sums in another order."""
+    from jaxpar.model.layers import linear
+
+    kx, kw, kg = jax.random.split(jax.random.key(2), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    n = len(x_shape)
+    ref = lambda x, w: jnp.einsum(x, list(range(n)), w, [*range(n - k, n), *range(n, n + len(w_shape) - k)])
+    out, pull = jax.vjp(lambda x, w: linear(x, w, k), x, w)
+    want, pull_ref = jax.vjp(ref, x, w)
+    g = jax.random.normal(kg, out.shape)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    for got, exp in zip(pull(g), pull_ref(g)):
+        np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5)
+
+
 def test_swiglu_keeps_its_two_inputs_only():
     """`layers.swiglu` is silu(g) * u with JAX's gradients, keeping g and u for its backward, where
     JAX's own derivative keeps four more [tokens, d_ff] values; a dense llama layer keeps three

@@ -46,7 +46,8 @@ def linear(x: jax.Array, w: jax.Array, k: int = 1) -> jax.Array:
     """`x [..., C] @ w [C, O...]`: x's last `k` dims contract with w's first `k` (a weight matmul).
 
     The same value and gradients as the einsum. On XLA:CPU the weight gradient is computed from a
-    materialised transpose of the input, `x^T [C, tokens] @ g [tokens, O]`: the form XLA:CPU sends
+    materialised transpose of the input, `x^T [C, tokens] @ g [tokens, O]`, or of the output's
+    cotangent where O < C, `(g^T @ x)^T` (the copy of the narrower one): the form XLA:CPU sends
     to YNNPACK. Left to itself, its simplifier folds the transpose into the dot, and a dot that
     contracts its left operand's major dim falls back to Eigen (measured: ~20% of an MLP's
     backward time on this project's 2-core machine; `benchmarks/vs_plain_jax.py`). Elsewhere it
@@ -163,8 +164,14 @@ def _linear_bwd(k, res, g):
     x2, w2 = _flat(x, w, k)
     g2 = g.reshape(x2.shape[0], w2.shape[1])
     dx = (g2 @ w2.T).reshape(x.shape)
-    # The barrier keeps the transpose a copy (see `linear`); it costs one pass over x.
-    dw = (jax.lax.optimization_barrier(x2.T) @ g2).reshape(w.shape)
+    # The barrier keeps the transpose a copy (see `linear`); it costs one pass over the narrower
+    # of x and g (an MLP's down projection: g, [tokens, D] against x's [tokens, d_ff]; then the
+    # product comes out [O, C], and the second barrier keeps XLA from folding its weight-sized
+    # transpose into the dot, which then fell back to Eigen).
+    if x2.shape[1] > g2.shape[1]:
+        dw = jax.lax.optimization_barrier(jax.lax.optimization_barrier(g2.T) @ x2).T.reshape(w.shape)
+    else:
+        dw = (jax.lax.optimization_barrier(x2.T) @ g2).reshape(w.shape)
     return dx, dw
 
 
