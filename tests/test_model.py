@@ -196,7 +196,7 @@ def test_the_planners_working_set_trace_counts_one_query_block():
     from jaxpar.model.layers import backward_working_set, dot_product_attention
 
     cfg = ModelConfig(arch="llama", n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128,
-                            vocab_size=64, seq_len=128)
+                      vocab_size=64, seq_len=128)
     B, T, N, K, H = 2, 128, 4, 2, 16
     q = jnp.ones((B, T, N, H), jnp.float32)
     kv = jnp.ones((B, T, K, H), jnp.float32)

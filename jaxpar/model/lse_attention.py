@@ -116,7 +116,11 @@ def lse_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Arr
     """Causal attention [B, T, N, H] of queries [B, T, N, H] over keys and values [B, S, K, H] (N a
     multiple of K: grouped-query heads), scaled by 1/sqrt(H); saves q, k, v, the output and the
     float32 log-sum-exp [B, K, N/K, T] for its backward."""
-    return _attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, 1.0 / float(q_BxTxNxH.shape[-1]) ** 0.5)
+    return _attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, _scale(q_BxTxNxH))
+
+
+def _scale(q_BxTxNxH: jax.Array) -> float:
+    return 1.0 / float(q_BxTxNxH.shape[-1]) ** 0.5
 
 
 def working_set_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array) -> jax.Array:
@@ -124,7 +128,7 @@ def working_set_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH:
     saved values are the kernel's residuals and what its backward materializes at once, one query
     block's float32 p, dp and ds (the largest block's: the matmuls' operands, freed before the next
     block's); the same forward and backward."""
-    return _working_set(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, 1.0 / float(q_BxTxNxH.shape[-1]) ** 0.5)
+    return _working_set(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, _scale(q_BxTxNxH))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
