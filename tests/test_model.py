@@ -1,6 +1,7 @@
 """Behaviour of the model: causality, remat, jit, grouped-query attention, bf16 compute."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -187,6 +188,25 @@ def test_lse_attention_query_blocks_skip_the_masked_triangle(monkeypatch):
     monkeypatch.setattr(la, "MAX_BLOCKS", 1)
     assert len(la.query_blocks(T, T)) == 1
     assert blocked < 0.7 * flops(), blocked
+
+
+def test_lse_attention_transposes_no_score_sized_array():
+    """From the compiled forward and backward on XLA:CPU: every attention matmul runs heads-major
+    (`lse_attention._heads`), so the only transposes move [T, heads, H]-sized values (q, k, v, do
+    in; o, dq, dk, dv out), none a query block's [t, S] scores, probabilities or their cotangents.
+    In XLA's [B, T, K, G, H] order each einsum transposed its operands and ds was computed in two
+    layouts (B 2, T 128, 4 heads over 2 kv heads of 16: transposes of up to 65,536 floats)."""
+    from jaxpar.model import lse_attention as la
+
+    B, T, N, K, H = 2, 128, 4, 2, 16
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, T, K, H), jnp.float32)
+    step = jax.jit(jax.grad(lambda q, k, v: la.lse_attention(q, k, v).sum(), argnums=(0, 1, 2)))
+    text = step.lower(q, kv, kv).compile().as_text()
+    moved = [math.prod(int(d) for d in m.group(1).split(",") if d)
+             for m in re.finditer(r"= f32\[([0-9,]*)\]\{[0-9,]*\} transpose\(", text)]
+    assert la.query_blocks(T, T) == [(0, 64), (64, 128)]
+    assert moved and max(moved) <= B * T * N * H < B * N * 64 * 64, sorted(moved)
 
 
 def test_the_planners_working_set_trace_counts_one_query_block():
