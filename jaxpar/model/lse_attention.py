@@ -147,8 +147,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def lse_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array) -> jax.Array:
     """Causal attention [B, T, N, H] of queries [B, T, N, H] over keys and values [B, S, K, H] (N a
-    multiple of K: grouped-query heads), scaled by 1/sqrt(H); saves q, k, v, the output and the
-    float32 log-sum-exp [B, K, N/K, T] for its backward."""
+    multiple of K: grouped-query heads), scaled by 1/sqrt(H); saves q, k, v (heads-major, as its
+    matmuls read them: [B, K, N/K, T, H] and [B, K, S, H]), the output and the float32 log-sum-exp
+    [B, K, N/K, T] for its backward."""
     return _attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, _scale(q_BxTxNxH))
 
 
