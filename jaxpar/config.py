@@ -331,6 +331,11 @@ class RuntimeConfig:
     """Number of processes of a multi-process run (with coordinator and process_id)."""
     process_id: int | None = None
     """This process's index in 0 .. num_processes - 1 (with coordinator and num_processes)."""
+    cpu_malloc: Literal["keep", "glibc"] = "keep"
+    """glibc's malloc in a process that trains on `cpu_devices`, set before XLA starts its threads:
+    `keep` (one arena, no mmap, trimmed only past 2 GiB free: what XLA:CPU frees after a step is
+    reused by the next instead of going back to the kernel and being faulted in again; the process
+    keeps its peak heap) or `glibc` (glibc's defaults). `jaxpar.mesh.keep_freed_memory`."""
     xla_flags: str = "auto"
     """XLA flags jaxpar adds to XLA_FLAGS before JAX starts: `auto` (on a GPU backend, a preset
     for the installed jaxlib: latency-hiding scheduler, collective combining, while-loop double

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
+import sys
 import warnings
 
 import jax
@@ -76,7 +78,8 @@ def use_cpu_devices(n: int | None, cfg: Config | None = None) -> None:
     """Run on `n` simulated CPU devices (even on a GPU host), with a thread pool large enough for
     their collectives: `cpu_threads_needed(n, cfg)`, for any program when `cfg` is not given (as
     the test suite does), else for `cfg`'s step. XLA's own pool (max(cores, n) threads) is kept
-    when it is enough: a larger one splits every op into more tasks than 2 cores can run. Must run
+    when it is enough: a larger one splits every op into more tasks than 2 cores can run. With
+    `cfg` (a training process) and `runtime.cpu_malloc: keep`, also `keep_freed_memory`. Must run
     before JAX starts a backend; a PJRT_NPROC already set is kept."""
     if n is None:
         return
@@ -94,6 +97,8 @@ def use_cpu_devices(n: int | None, cfg: Config | None = None) -> None:
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
+        if cfg is not None and cfg.runtime.cpu_malloc == "keep":
+            keep_freed_memory()  # (no backend yet: none of XLA's threads has an arena)
     except RuntimeError:
         # The backend is already up: fine if it already has what was asked for.
         have = jax.local_device_count()
@@ -102,6 +107,34 @@ def use_cpu_devices(n: int | None, cfg: Config | None = None) -> None:
                 f"runtime.cpu_devices = {n} cannot be applied: JAX already started with {have} "
                 f"{jax.default_backend()} device(s); set it before anything touches JAX "
                 f"(or set XLA_FLAGS=--xla_force_host_platform_device_count={n}).") from None
+
+
+# XLA:CPU allocates an execution's buffers when it starts (a pipelined step of the benchmarks'
+# llama: 64 MiB of temp per device) and frees them when it ends. glibc serves blocks above 32 MiB
+# with a fresh mmap (and a thread's arena, whose heaps are at most 64 MiB, maps larger ones
+# anyway) and unmaps them on free, so every step faults its whole working set in again, a zeroed
+# 4 KiB page at a time: 0.1-0.4 s of kernel time per step on the benchmarks' steps, varying with
+# what else runs. With one arena, no mmap and a trim threshold of 2 GiB, the freed memory stays in
+# the heap and the next step reuses it: README "Benchmarks", DESIGN.md §9.
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed memory for reuse instead of returning it to the kernel: one arena,
+    no mmap, trim past 2 GiB free (`runtime.cpu_malloc: keep`, which `use_cpu_devices(n, cfg)`
+    applies before JAX starts a backend). Returns whether it was set: only on Linux with glibc,
+    and not where GLIBC_TUNABLES already sets any of these (the user's choice)."""
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    mine = ("glibc.malloc.arena_max", "glibc.malloc.mmap_max", "glibc.malloc.trim_threshold",
+            "glibc.malloc.mmap_threshold")
+    if any(t.split("=", 1)[0] in mine for t in os.environ.get("GLIBC_TUNABLES", "").split(":")):
+        return False
+    import ctypes
+
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return all([mallopt(M_ARENA_MAX, 1), mallopt(M_MMAP_MAX, 0), mallopt(M_TRIM_THRESHOLD, 2**31 - 1)])
 
 
 def _launcher() -> str | None:

@@ -6,6 +6,8 @@ value and says how to fix it; these tests run in-process (the CLI's handling is 
 
 import dataclasses
 import os
+import platform
+import sys
 import warnings
 from pathlib import Path
 
@@ -312,6 +314,45 @@ def test_too_few_threads_for_simulated_devices_is_a_warning(monkeypatch):
         warnings.simplefilter("error")
         check_cpu_threads(mesh)
         check_cpu_threads(make_mesh(load_config(None, ["mesh.data=1"]), jax.devices()[:1]))
+
+
+_FAULTS_PER_STEP = """
+import ctypes, resource, sys, threading
+from jaxpar.config import load_config
+from jaxpar.mesh import use_cpu_devices
+use_cpu_devices(2, load_config(None, ["mesh.data=2", "runtime.cpu_malloc=" + sys.argv[1]]))
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+faults = []
+def step():  # as XLA:CPU runs an execution on a pool thread: allocate its buffers, use them, free them
+    p = libc.malloc(96 << 20)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    ctypes.memset(p, 1, 96 << 20)
+    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    libc.free(p)
+for _ in range(3):
+    t = threading.Thread(target=step)
+    t.start()
+    t.join()
+print(faults)
+"""
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and platform.libc_ver()[0] == "glibc"), reason="glibc's malloc")
+def test_cpu_malloc_keep_reuses_a_freed_step_buffer_without_faulting_it_in_again():
+    # runtime.cpu_malloc: keep (the default) against glibc's defaults, each in a fresh process
+    # (mallopt must precede the backend's threads): a 96 MiB buffer allocated, touched and freed on
+    # a new thread three times, as XLA:CPU's steps do. Kept, the 2nd and 3rd steps fault in no
+    # pages; glibc unmaps it and faults every page in again (fewer with system-wide huge pages).
+    import ast
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "XLA_FLAGS", "PJRT_NPROC")}
+    faults = {mode: ast.literal_eval(subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP, mode], env=env,
+                                                    capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+              for mode in ("keep", "glibc")}
+    assert max(faults["glibc"][1:]) > 0, faults
+    assert max(faults["keep"][1:]) <= min(faults["glibc"][1:]) / 10, faults
 
 
 @pytest.mark.parametrize("arch, sections, one_at_a_time", [
