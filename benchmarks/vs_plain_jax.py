@@ -165,6 +165,17 @@ def worker(args: argparse.Namespace) -> int:
             use_cpu_devices(cfg.runtime.cpu_devices, cfg)
         except TypeError:  # a jaxpar from before the pool was sized per config (--baseline)
             use_cpu_devices(cfg.runtime.cpu_devices)
+    else:
+        # On simulated CPU devices the peer's process keeps freed memory as jaxpar's does
+        # (`runtime.cpu_malloc: keep`): the comparison is of the two steps' programs, not of
+        # glibc's treatment of their buffers.
+        try:
+            from jaxpar.mesh import keep_freed_memory
+        except ImportError:  # a jaxpar from before it (--baseline)
+            keep_freed_memory = None
+        rt = jaxpar_config(args).runtime
+        if keep_freed_memory is not None and rt.cpu_devices is not None and rt.cpu_malloc == "keep":
+            keep_freed_memory()
     import jax
     import jax.numpy as jnp
 
