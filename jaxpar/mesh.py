@@ -115,7 +115,8 @@ def use_cpu_devices(n: int | None, cfg: Config | None = None) -> None:
 # anyway) and unmaps them on free, so every step faults its whole working set in again, a zeroed
 # 4 KiB page at a time: 0.1-0.4 s of kernel time per step on the benchmarks' steps, varying with
 # what else runs. With one arena, no mmap and a trim threshold of 2 GiB, the freed memory stays in
-# the heap and the next step reuses it: README "Benchmarks", DESIGN.md §9.
+# the heap and the next step reuses it: README "A CPU training process keeps the memory its steps
+# free" (3D composition), DESIGN.md §9.
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
 
 
