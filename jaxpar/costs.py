@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config, validate
 # Activations: what JAX saves for the backward pass, at the per-device shapes of a candidate.
-from jaxpar.costs_activations import _activations, _offloaded, _tap_width, saved_activation_bytes  # noqa: F401
+from jaxpar.costs_activations import _activations, _offloaded, _tap_input_width, _tap_width, saved_activation_bytes  # noqa: F401
 from jaxpar import costs_moe
 from jaxpar.model.layers import flash_attention_applies
 from jaxpar.mesh import AXES, check_sizes
@@ -279,6 +279,15 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         width = (_tap_width(m, t, mlp=False) + f * costs_moe.tap_width(m, t, costs_moe.routes_sequence_shard(cfg, t))
                  + (1 - f) * (_tap_width(m, t) - _tap_width(m, t, mlp=False)))
         taps = int(rows * m.seq_len * layers * width * _BYTES[m.dtype]) if table.split else 0
+        # With `remat: none`, a table of I and W and every layer slot active, F stashes the
+        # matmuls' inputs itself (in place of the pullbacks' copies) and I writes only the output
+        # cotangents (`pipeline.StageRun.stash_inputs`; an MoE layer's expert inputs counted as
+        # written, a small overestimate).
+        if (table.split and par.remat == "none" and not any(a.kind == "B" for _, _, a in sched.actions())
+                and not (slots is not None and slots.gather)):
+            taps -= int(rows * m.seq_len * layers * (_tap_input_width(m, t, mlp=False)
+                                                     + (1 - f) * (_tap_input_width(m, t) - _tap_input_width(m, t, mlp=False)))
+                        * _BYTES[m.dtype])
         homeless = max(0, taps - (act["layers"] + msg))
         buffers = ((table.fwd_slots + table.bwd_slots) * msg + table.stash * (act["layers"] + msg)
                    + table.wstash * homeless + (par.remat == "none") * taps)

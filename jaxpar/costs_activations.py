@@ -189,3 +189,13 @@ def _tap_width(m, t: int, mlp: bool = True) -> int:
     mats = 3 if m.arch == "llama" else 2  # up (and gate) and down
     dense = (mats - 1) * (m.d_model + m.d_ff // t) + m.d_ff // t + m.d_model
     return attn + dense * mlp
+
+
+def _tap_input_width(m, t: int, mlp: bool = True) -> int:
+    """The inputs' share of `_tap_width`: per token and layer, the elements of every weight
+    matmul's input (q, k and v read the layer's normed input, the output projection the heads, up
+    and gate the MLP's normed input, down its hidden state)."""
+    attn = 3 * m.d_model + m.n_heads * m.head_size // t
+    mats = 3 if m.arch == "llama" else 2
+    dense = (mats - 1) * m.d_model + m.d_ff // t
+    return attn + dense * mlp

@@ -80,7 +80,9 @@ def linear(x: jax.Array, w: jax.Array, k: int = 1) -> jax.Array:
                               w.shape)
         return checkpoint_name(_linear(x, w, k), DOT_TAG)
     tap = split.layer_taps[path]
-    return checkpoint_name(_linear_tapped(x, w, tap, k, varying_axes(tap[0])), DOT_TAG)
+    if split.stash_inputs:  # the caller stashes x for W itself: the tap carries g alone
+        split.inputs[path] = x
+    return checkpoint_name(_linear_tapped(x, w, tap, k, varying_axes(tap[1]), split.stash_inputs), DOT_TAG)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,19 +96,23 @@ def linear(x: jax.Array, w: jax.Array, k: int = 1) -> jax.Array:
 class SplitBackward:
     """The active split-backward context: `taps` (path -> stacked (x, g) zeros, or None while
     recording their shapes into `shapes`), and per layer, while it runs, `paths` (id of each
-    handed-out parameter -> its path in the layer's tree) and `layer_taps`."""
+    handed-out parameter -> its path in the layer's tree) and `layer_taps`. With `stash_inputs`
+    the caller keeps each matmul's input for W itself: a tap is (None, g zeros), the matmul's
+    pullback keeps no x (its backward needs only w), and `inputs` collects path -> x as the layer
+    runs (the pipeline's F returns them from its `jax.vjp` and stashes each once)."""
 
-    def __init__(self, taps):
+    def __init__(self, taps, stash_inputs=False):
         self.taps, self.shapes, self.paths, self.layer_taps = taps, {}, {}, None
+        self.stash_inputs, self.inputs = stash_inputs, {}
 
 
 _SPLIT: contextvars.ContextVar[SplitBackward | None] = contextvars.ContextVar("jaxpar_split_backward", default=None)
 
 
 @contextlib.contextmanager
-def split_backward(taps=None):
+def split_backward(taps=None, stash_inputs=False):
     """Run the model's weight matmuls with taps (`taps` None: record the taps' shapes instead)."""
-    token = _SPLIT.set(SplitBackward(taps))
+    token = _SPLIT.set(SplitBackward(taps, stash_inputs))
     try:
         yield _SPLIT.get()
     finally:
@@ -125,20 +131,23 @@ def weight_gradient(x2: jax.Array, g2: jax.Array) -> jax.Array:
     return jnp.einsum("lnc,lno->lco", x2, g2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _linear_tapped(x, w, tap, k, tap_axes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _linear_tapped(x, w, tap, k, tap_axes, stash_inputs):
     return _linear(x, w, k)
 
 
-def _linear_tapped_fwd(x, w, tap, k, tap_axes):
-    return _linear(x, w, k), (x, w)
+def _linear_tapped_fwd(x, w, tap, k, tap_axes, stash_inputs):
+    # (With `stash_inputs` x is no residual of this matmul: its backward needs only w.)
+    return _linear(x, w, k), (None if stash_inputs else x, w)
 
 
-def _linear_tapped_bwd(k, tap_axes, res, g):
+def _linear_tapped_bwd(k, tap_axes, stash_inputs, res, g):
     x, w = res
-    x2, w2 = _flat(x, w, k)
-    g2 = g.reshape(x2.shape[0], w2.shape[1])
-    return (g2 @ w2.T).reshape(x.shape), jnp.zeros_like(w), (vary(x2, tap_axes), vary(g2, tap_axes))
+    c, o = math.prod(w.shape[:k]), math.prod(w.shape[k:])
+    g2 = g.reshape(-1, o)
+    dx = (g2 @ w.reshape(c, o).T).reshape(*g.shape[:g.ndim - (w.ndim - k)], *w.shape[:k])
+    x2 = None if stash_inputs else vary(x.reshape(-1, c), tap_axes)
+    return dx, jnp.zeros_like(w), (x2, vary(g2, tap_axes))
 
 
 _linear_tapped.defvjp(_linear_tapped_fwd, _linear_tapped_bwd)

@@ -256,6 +256,9 @@ def block_bodies(cfg: ModelConfig, blocks: nnx.Module, remat: str, active: dict[
                                for k, v in jax.tree_util.tree_leaves_with_path(handed)}
                 split.layer_taps = tap
             layer = nnx.merge(graphdef, layer_state)
+            if split is not None and split.stash_inputs:  # (y, each tapped matmul's input), from inside the remat
+                split.inputs = {}
+                return layer(x), dict(split.inputs)
             if active is None:
                 return layer(x)
             return jax.lax.cond(active[kind][i], layer, lambda x: x, x)

@@ -67,6 +67,10 @@ from jaxpar.sharding import activation_rules, aval_varying_axes, vary, varying_a
 
 DATA, STAGE, MODEL = "data", "stage", "model"
 
+# Under a table of I and W with `remat: none`, F stashes each weight matmul's input once beside the
+# layer's residuals and W reads it there (`StageRun.stash_inputs`; a switch for measuring without).
+STASH_MATMUL_INPUTS = True
+
 
 @dataclasses.dataclass(frozen=True)
 class Table:
@@ -310,6 +314,14 @@ class StageRun:
         self.layer_dims = {kind: jax.tree.map(lambda dim: None if dim is None else dim - 1, stack(self.block_dims, kind),
                                               is_leaf=is_dim) for kind in self.kinds}
         self.residuals, self.taps = {}, {}  # name -> (treedef, where): `stash_residuals`; the split's taps
+        # With a table of I and W: F stashes each tapped matmul's input (once, beside the layer's
+        # residuals; the matmul's pullback then keeps no copy) and W reads it there, so I neither
+        # copies it nor writes it for W. `x_source`: tapped path -> (kind, stash leaf), set by F's
+        # traces. (Where the layer body returns its inputs whole: `remat: none`, every slot
+        # active; a checkpoint policy or a skipped slot keeps them inside, and I copies them.)
+        self.x_source = {}
+        self.stash_inputs = (STASH_MATMUL_INPUTS and setup.table.split and not setup.table.rows["b_valid"].any()
+                             and cfg.parallel.remat == "none" and not setup.slots.gather)
         self.layer_avals, self.end_avals, self.packing = {}, None, None  # set by `initial_carry`
 
     # -- trees and zeros ---------------------------------------------------------------------
@@ -344,7 +356,8 @@ class StageRun:
         return jax.lax.pcast(jnp.zeros(shape, dtype), axes, to="varying") if axes else jnp.zeros(shape, dtype)
 
     def zero_taps(self) -> dict:
-        return {k: (self.zeros((self.chunk_layers[k], *xs), xd, ax), self.zeros((self.chunk_layers[k], *gs), gd, ax))
+        return {k: (None if self.stash_inputs else self.zeros((self.chunk_layers[k], *xs), xd, ax),
+                    self.zeros((self.chunk_layers[k], *gs), gd, ax))
                 for k, (xs, xd, gs, gd, ax, _) in self.taps.items()}
 
     def chunk_params(self, k):
@@ -409,6 +422,19 @@ class StageRun:
         self.residuals[name] = (treedef, where)
         return tuple(r for _, r in stashed.values())
 
+    def stash_inputs_of(self, kind: str, saved: tuple, inputs: dict) -> tuple:
+        """The tapped matmuls' inputs to stash beside a layer's residuals (`stash_inputs`: path ->
+        x, each once however many matmuls share it, e.g. q, k and v), their leaves numbered after
+        the residuals': `x_source`, path -> (kind, leaf). Every trace of F must find the same."""
+        extra, where = {}, {}
+        for path, x in sorted(inputs.items()):
+            where[path] = (kind, len(saved) + extra.setdefault(id(x), (len(extra), x))[0])
+        known = {path: w for path, w in self.x_source.items() if w[0] == kind}
+        if known and known != where:
+            raise AssertionError(f"the tapped inputs of {kind!r} differ between traces of F")
+        self.x_source.update(where)
+        return tuple(x for _, x in extra.values())
+
     def pullback(self, name: str, saved, known: list):
         """The pullback `stash_residuals` took apart, from the stashed leaves and the parameters."""
         treedef, where = self.residuals[name]
@@ -442,10 +468,15 @@ class StageRun:
             def f(rest, x, tap):
                 handed = mark_for_use(s.reduction, self.unflat_kind(kind, {**fixed, **rest}), full_l,
                                       self.layer_dims[kind])
-                return bodies[kind](x, (handed, tap, i))
+                # (With `stash_inputs` the body returns the tapped matmuls' inputs beside y: their
+                # pullbacks do not keep them.)
+                out = bodies[kind](x, (handed, tap, i))
+                return out if self.stash_inputs else (out, {})
 
-            y, pull = jax.vjp(f, {p_: w for p_, w in diff.items() if p_ not in fixed}, x, tap)
+            y, pull, inputs = jax.vjp(f, {p_: w for p_, w in diff.items() if p_ not in fixed}, x, tap, has_aux=True)
             saved = self.stash_residuals(kind, pull, _param_leaves(full_l, diff_l))
+            if self.stash_inputs:
+                saved = (*saved, *self.stash_inputs_of(kind, saved, inputs))
             if st is None:
                 self.layer_avals[kind] = [jax.typeof(r) for r in saved]
                 return (y, None), None
@@ -455,7 +486,7 @@ class StageRun:
 
         # (Under a split table each weight matmul takes its tap from the layer's `linear`: the
         # bodies are built, and traced, inside the split context.)
-        with split_backward({}) if split else contextlib.nullcontext():
+        with split_backward({}, self.stash_inputs) if split else contextlib.nullcontext():
             bodies = self.bodies(k)
             (y, layers), _ = scan_layers(s.chunk_cfg, self.kind_stacks(k),
                                                (x, None if stash is None else stash["layers"]), layer,
@@ -509,6 +540,14 @@ class StageRun:
         g_shared = jax.lax.cond(first, lambda g: microbatches.add_f32(
             g, self.pullback("embed", embed_saved, _param_leaves(self.shared, sh))(dx)[0]), lambda g: g, g_shared)
         return d_rest, g_shared, dx, d_taps
+
+    def stashed_input(self, stash, slot, path):
+        """W's input x of a tapped matmul, [layers, tokens, in], read from F's residual in `slot`."""
+        kind, j = self.x_source[path]
+        buf = stash["layers"][kind][j]
+        xs, _, _, _, axes, _ = self.taps[path]
+        x = jax.lax.dynamic_slice(buf, (slot, 0, 0), (1, *buf.shape[1:])).reshape(buf.shape[1], *xs)
+        return vary(x, axes)
 
     def weight_grads(self, d_taps):
         """W: each tapped weight's gradient x^T g, reduce-scattered where ZeRO reduces per
@@ -569,14 +608,18 @@ class StageRun:
         # What I keeps for W (each tapped matmul's input and output cotangent, per layer) goes
         # into its stash slot, over residuals of the same layer that I has consumed; the wstash
         # holds what does not fit.
+        # (Not the inputs W reads where F stashed them, `x_source`: those residual leaves stay.)
         items = {(k_, j): (shape, dtype, ax)
                  for k_, (xs, xd, gs, gd, ax, _) in taps.items()
-                 for j, (shape, dtype) in enumerate(((xs, xd), (gs, gd)))}
+                 for j, (shape, dtype) in enumerate(((xs, xd), (gs, gd)))
+                 if not (j == 0 and k_ in self.x_source)}
+        kept = {where for where in self.x_source.values()}
         self.packing = {}
         for kind in self.kinds:
             bufs = stash["layers"][kind]
             packed = _pack({key: it for key, it in items.items() if key[0] in self.kind_paths[kind]},
-                           [(b.shape[2:], b.dtype, varying_axes(b)) for b in bufs])
+                           [((0,) if (kind, j) in kept else b.shape[2:], b.dtype, varying_axes(b))
+                            for j, b in enumerate(bufs)])
             self.packing.update({key: (kind, *where) for key, where in packed.items()})
         wstash = {key: self.zeros((table.wstash, self.chunk_layers[key[0]], *items[key][0]), items[key][1],
                                   items[key][2])
@@ -617,9 +660,10 @@ class StageRun:
             cot = _row(bwd_buf, row["b_in"][stage] + row["i_in"][stage])
             d_rest, g_shared, dx, d_taps = self.backward(bufs[0], row["b_stash"][stage] + row["i_stash"][stage], cot,
                                                          bk, g_shared)
-            d_taps = {k_: tuple(vary(a, taps[k_][4]) for a in xg) for k_, xg in (d_taps or {}).items()}
+            d_taps = {k_: tuple(None if a is None else vary(a, taps[k_][4]) for a in xg)
+                      for k_, xg in (d_taps or {}).items()}
             if split_i:
-                new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
+                new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg) if a is not None}
                 bufs = _write_now(bufs, packing, new, row["i_stash"][stage], row["i_wstash"][stage], _after(dx))
                 d_taps = {}
             return self.add(acc, d_rest, bk), g_shared, dx, d_taps, bufs if split_i else ()
@@ -643,6 +687,7 @@ class StageRun:
                 g_blocks = self.add(g_blocks, jax.lax.cond(bv > 0, lambda: self.weight_grads(d_taps), zero_w), bk)
             def run_w(acc, bufs):  # (read and accumulated inside the cond: idle ticks touch neither)
                 got = _read_items(*bufs, packing, row["w_stash"][stage], row["w_wstash"][stage])
+                got.update({(k_, 0): self.stashed_input(bufs[0], row["w_stash"][stage], k_) for k_ in self.x_source})
                 return self.add(acc, self.weight_grads({k_: (got[(k_, 0)], got[(k_, 1)]) for k_ in taps}),
                                 row["w_chunk"][stage])
 
