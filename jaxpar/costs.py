@@ -175,6 +175,12 @@ def _cached_schedule(name: str, p: int, m: int, v: int):
                         bwd_slots=counts["bwd"], wstash=counts["wstash"], split=sched.split)
 
 
+@functools.lru_cache(maxsize=512)
+def _fused_b(name: str, p: int, m: int, v: int) -> bool:
+    """Does the schedule hold a fused backward B (not only I and W)?"""
+    return any(a.kind == "B" for _, _, a in _cached_schedule(name, p, m, v)[0].actions())
+
+
 @functools.lru_cache(maxsize=4096)
 def _simulated(name: str, p: int, m: int, v: int, b_over_f: float) -> tuple[float, float]:
     """(time in units of F, bubble fraction) of a schedule simulated with F = 1, B = b_over_f."""
@@ -283,7 +289,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # matmuls' inputs itself (in place of the pullbacks' copies) and I writes only the output
         # cotangents (`pipeline.StageRun.stash_inputs`; an MoE layer's expert inputs counted as
         # written, a small overestimate).
-        if (table.split and par.remat == "none" and not any(a.kind == "B" for _, _, a in sched.actions())
+        if (table.split and par.remat == "none" and not _fused_b(par.schedule, p, par.microbatches, v)
                 and not (slots is not None and slots.gather)):
             taps -= int(rows * m.seq_len * layers * (_tap_input_width(m, t, mlp=False)
                                                      + (1 - f) * (_tap_input_width(m, t) - _tap_input_width(m, t, mlp=False)))

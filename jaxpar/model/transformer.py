@@ -257,6 +257,8 @@ def block_bodies(cfg: ModelConfig, blocks: nnx.Module, remat: str, active: dict[
                 split.layer_taps = tap
             layer = nnx.merge(graphdef, layer_state)
             if split is not None and split.stash_inputs:  # (y, each tapped matmul's input), from inside the remat
+                if active is not None:
+                    raise AssertionError("split backward: stash_inputs needs every layer slot active")
                 split.inputs = {}
                 return layer(x), dict(split.inputs)
             if active is None:
