@@ -285,12 +285,12 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         width = (_tap_width(m, t, mlp=False) + f * costs_moe.tap_width(m, t, costs_moe.routes_sequence_shard(cfg, t))
                  + (1 - f) * (_tap_width(m, t) - _tap_width(m, t, mlp=False)))
         taps = int(rows * m.seq_len * layers * width * _BYTES[m.dtype]) if table.split else 0
-        # With `remat: none`, a table of I and W and every layer slot active, F stashes the
-        # matmuls' inputs itself (in place of the pullbacks' copies) and I writes only the output
-        # cotangents (`pipeline.StageRun.stash_inputs`; an MoE layer's expert inputs counted as
-        # written, a small overestimate).
-        if (table.split and par.remat == "none" and not _fused_b(par.schedule, p, par.microbatches, v)
-                and not (slots is not None and slots.gather)):
+        # Where F stashes the matmuls' inputs itself (in place of the pullbacks' copies), I writes
+        # only the output cotangents (`pipeline.stashes_inputs`; an MoE layer's expert inputs
+        # counted as written, a small overestimate).
+        from jaxpar.parallel.pipeline import stashes_inputs
+        if stashes_inputs(par.remat, table.split, _fused_b(par.schedule, p, par.microbatches, v),
+                          slots is not None and slots.gather):
             taps -= int(rows * m.seq_len * layers * (_tap_input_width(m, t, mlp=False)
                                                      + (1 - f) * (_tap_input_width(m, t) - _tap_input_width(m, t, mlp=False)))
                         * _BYTES[m.dtype])

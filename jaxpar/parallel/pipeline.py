@@ -15,8 +15,9 @@ stash slot (the first stage embeds the microbatch's tokens; the last adds the he
 their backward); B runs the layers backward, rebuilding each layer's pullback from its row (no
 second forward, no copy of the slot), and accumulates its parameter gradients in float32. With a
 split backward, I does B's input-gradient half and writes what W needs (each weight matmul's
-input and output cotangent) into the same stash slot, over residuals it has consumed; W computes
-the weight gradients from there and frees the slot (DESIGN.md §5). Each action reads its stash slot, computes and writes inside its own `lax.cond`: an
+output cotangent, and its input where F did not stash it, `stashes_inputs`) into the same stash
+slot, over residuals it has consumed; W computes the weight gradients from there and frees the
+slot (DESIGN.md §5). Each action reads its stash slot, computes and writes inside its own `lax.cond`: an
 idle action reads and writes no stash slot and adds to no accumulator (only the small
 receive-buffer rows are read every tick; its branch returns zeros of the hop's message and of the
 shared leaves' gradients, §5.3). One forward and one backward `ppermute` per tick move activations
@@ -68,8 +69,17 @@ from jaxpar.sharding import activation_rules, aval_varying_axes, vary, varying_a
 DATA, STAGE, MODEL = "data", "stage", "model"
 
 # Under a table of I and W with `remat: none`, F stashes each weight matmul's input once beside the
-# layer's residuals and W reads it there (`StageRun.stash_inputs`; a switch for measuring without).
+# layer's residuals and W reads it there (`stashes_inputs`; a switch for measuring without).
 STASH_MATMUL_INPUTS = True
+
+
+def stashes_inputs(remat: str, split: bool, fused_b: bool, gather: bool) -> bool:
+    """Does F stash each weight matmul's input for W (so that I writes only the output
+    cotangents)? For a table of I and W only (`split`, no `fused_b`), where the layer body can
+    return its inputs whole: `remat: none` (a checkpoint policy keeps them inside) and every
+    layer slot active (no `gather`: a skipped slot's `cond` keeps them inside). Read by the
+    executor (`StageRun`) and the planner (`jaxpar.costs.memory`)."""
+    return STASH_MATMUL_INPUTS and split and not fused_b and remat == "none" and not gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +277,8 @@ class StageRun:
     the head's cotangent beside them. `residuals` (per stack kind, and "embed") is fixed by the
     abstract trace of F in `initial_carry`.
     With a split table the weight matmuls are not differentiated: they take taps, whose cotangents
-    (input, output cotangent) I saves for W (`jaxpar.model.layers.split_backward`)."""
+    (input, output cotangent) I saves for W (`jaxpar.model.layers.split_backward`); where F
+    stashes the inputs itself (`stashes_inputs`), the taps carry output cotangents only."""
 
     def __init__(self, setup: Setup, stage: jax.Array, params: dict, batch: jax.Array):
         s, layout, cfg = setup, setup.layout, setup.cfg
@@ -320,8 +331,8 @@ class StageRun:
         # traces. (Where the layer body returns its inputs whole: `remat: none`, every slot
         # active; a checkpoint policy or a skipped slot keeps them inside, and I copies them.)
         self.x_source = {}
-        self.stash_inputs = (STASH_MATMUL_INPUTS and setup.table.split and not setup.table.rows["b_valid"].any()
-                             and cfg.parallel.remat == "none" and not setup.slots.gather)
+        self.stash_inputs = stashes_inputs(cfg.parallel.remat, setup.table.split,
+                                           bool(setup.table.rows["b_valid"].any()), setup.slots.gather)
         self.layer_avals, self.end_avals, self.packing = {}, None, None  # set by `initial_carry`
 
     # -- trees and zeros ---------------------------------------------------------------------
@@ -542,7 +553,7 @@ class StageRun:
         return d_rest, g_shared, dx, d_taps
 
     def stashed_input(self, stash, slot, path):
-        """W's input x of a tapped matmul, [layers, tokens, in], read from F's residual in `slot`."""
+        """W's input x of a tapped matmul, [layers, tokens, in], read from the leaf F stashed it in, in `slot`."""
         kind, j = self.x_source[path]
         buf = stash["layers"][kind][j]
         xs, _, _, _, axes, _ = self.taps[path]
@@ -613,7 +624,7 @@ class StageRun:
                  for k_, (xs, xd, gs, gd, ax, _) in taps.items()
                  for j, (shape, dtype) in enumerate(((xs, xd), (gs, gd)))
                  if not (j == 0 and k_ in self.x_source)}
-        kept = {where for where in self.x_source.values()}
+        kept = set(self.x_source.values())
         self.packing = {}
         for kind in self.kinds:
             bufs = stash["layers"][kind]
