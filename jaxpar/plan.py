@@ -15,10 +15,9 @@ from typing import Any
 
 import jax
 
-from jaxpar import model
-from jaxpar.config import Config, ConfigError, JaxparError
-from jaxpar.costs_moe import describe_params, param_counts
-from jaxpar.costs import (_BYTES, Roofline, bytes_per_axis, check, collectives, compute_floor, memory,
+from jaxpar.config import Config, ConfigError, JaxparError, resolve_mesh_shape
+from jaxpar.costs_moe import describe_params
+from jaxpar.costs import (Roofline, bytes_per_axis, check, collectives, compute_floor, memory,
                           model_flops_per_token, step_time)
 from jaxpar.mesh import AXES
 
@@ -36,9 +35,11 @@ class Estimate:
     mfu: float
     fits: bool
 
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON object of `python -m jaxpar.plan --json`."""
-        return {"mesh": dict(zip(AXES, self.shape)), "parallel": self.cfg.to_dict()["parallel"],
+    def to_dict(self, rank: int | None = None) -> dict[str, Any]:
+        """One layout's JSON object (`python -m jaxpar.plan --json`'s rows, `--evaluate --json`):
+        `rank` is its place among the layouts that fit, fastest first, as the table numbers them
+        (None where it does not fit, or where it was evaluated alone)."""
+        return {"rank": rank, "mesh": dict(zip(AXES, self.shape)), "parallel": self.cfg.to_dict()["parallel"],
                 "master_weights": self.cfg.train.master_weights,
                 "memory_bytes": self.memory, "flops_per_step": self.flops_per_step,
                 "bytes_per_step": self.bytes_per_step,
@@ -58,6 +59,30 @@ def estimate(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform:
     peak = hw.peak_flops if cfg.model.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32
     mfu = flops / (t["total"] * peak * math.prod(shape))
     return Estimate(cfg, shape, mem, flops, bytes_per_axis(cfg, shape), t, mfu, mem["total"] <= hw.memory_bytes)
+
+
+def layout_shape(cfg: Config, devices: int | None = None) -> tuple[int, int, int]:
+    """The (data, stage, model) sizes `cfg.mesh` states on `devices` devices (`devices` needed only
+    where an axis is -1; given, it must be the mesh's product: `config.resolve_mesh_shape`)."""
+    sizes = dict(zip(AXES, (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)))
+    if devices is None:
+        free = [a for a, n in sizes.items() if n == -1]
+        if free:
+            raise ConfigError(f"mesh.{free[0]} = -1 takes its size from the device count, which was not given; "
+                              f"pass it (--devices N) or set mesh.{free[0]} to a size.")
+        devices = math.prod(sizes.values())
+    return resolve_mesh_shape(cfg.mesh, devices)
+
+
+def evaluate(cfg: Config, roof: Roofline, platform: str = "gpu", devices: int | None = None) -> Estimate:
+    """`estimate` of exactly the layout `cfg` states (its mesh, with a -1 axis filled from
+    `devices`; ZeRO stage, schedule, microbatches, remat, SP, master weights, offload), whether or
+    not `plan` would enumerate or prune it; raises ConfigError where jaxpar's validation (`check`)
+    refuses it."""
+    shape = layout_shape(cfg, devices)
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **dict(zip(AXES, shape))))
+    check(cfg, shape)
+    return estimate(cfg, shape, roof, platform)
 
 
 def _divisors(n: int) -> list[int]:
@@ -344,29 +369,6 @@ def _describe(e: Estimate) -> str:
     return ", ".join(parts)
 
 
-def _table(estimates: list[Estimate], title: str):
-    from rich.table import Table
-
-    table = Table(title=title, caption="memory per device: params + grads + optimizer + activations (incl. "
-                                       "pipeline buffers, ZeRO-3 gathers); time: compute incl. bubble, then "
-                                       "exposed traffic on data / stage / model")
-    for col in ("#", "data", "stage", "model", "ZeRO", "schedule", "m", "remat", "SP", "master", "memory", "params",
-                "grads", "optim", "activ", "step s", "bubble", "exposed d/s/m s", "MFU"):
-        table.add_column(col, justify="right" if col not in ("schedule", "remat") else "left", no_wrap=True)
-    for i, e in enumerate(estimates, 1):
-        par, mem, tm = e.cfg.parallel, e.memory, e.time
-        d, p, t = e.shape
-        act = mem["activations"] + mem["pipeline_buffers"] + mem["gathered_params"] + mem["batch"]
-        sched = "-" if p == 1 else par.schedule + (f" v{par.virtual_stages}" if par.virtual_stages > 1 else "")
-        table.add_row(str(i), str(d), str(p), str(t), str(par.zero), sched, str(par.microbatches), par.remat,
-                      ("on" if par.sequence_parallel else "off") if t > 1 else "-",
-                      "-" if e.cfg.train.master_weights == "none" else "fp32", _human(mem["total"]),
-                      _human(mem["params"]), _human(mem["gradients"]), _human(mem["optimizer"]), _human(act),
-                      f"{tm['total']:.3g}", f"{tm['bubble_fraction']:.1%}" if p > 1 else "-",
-                      f"{tm['data_comm']:.2g}/{tm['stage_comm']:.2g}/{tm['model_comm']:.2g}", f"{e.mfu:.1%}")
-    return table
-
-
 def _write_config(cfg: Config, path: str) -> None:
     """Write `cfg` as YAML to `path` atomically: a temporary name in the same folder, then a rename,
     so that an error leaves nothing behind."""
@@ -404,7 +406,8 @@ def _parser():
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--config", help="a jaxpar YAML config (its model and train.global_batch)")
     src.add_argument("--preset", help="a model preset: " + ", ".join(MODELS))
-    ap.add_argument("--devices", type=int, required=True, help="number of accelerators")
+    ap.add_argument("--devices", type=int, help="number of accelerators (with --evaluate: the config's mesh's, "
+                    "needed only where an axis is -1)")
     ap.add_argument("--hardware", default="h100-80gb", help="hardware preset (datasheet figures): "
                     + ", ".join(HARDWARE) + " (default h100-80gb)")
     ap.add_argument("--device-memory", help="memory per device, e.g. 80GB or 80GiB (default: the hardware's)")
@@ -422,8 +425,13 @@ def _parser():
     ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's or preset's)")
     ap.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     ap.add_argument("--write-config", metavar="FILE", help="write the fastest fitting layout as a jaxpar YAML config")
-    ap.add_argument("--json", action="store_true", help="print JSON: one object per layout, those that fit by "
-                    "predicted step time, then those that do not by memory")
+    ap.add_argument("--json", action="store_true", help="print JSON: every layout estimated, each with `fits` and "
+                    "`rank` (those that fit by predicted step time, then those that do not by memory), and how many "
+                    "were not estimated or refused; with --evaluate, the one layout's object")
+    ap.add_argument("--evaluate", action="store_true",
+                    help="cost exactly the layout the config states (mesh, ZeRO, schedule, microbatches, remat, SP, "
+                         "master weights, offload) instead of searching: its memory parts, bytes per axis and "
+                         "step-time parts")
     ap.add_argument("--memory-wall", action="store_true",
                     help="also print per-device memory as each strategy is added (before the ranking)")
     ap.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
@@ -433,7 +441,8 @@ def _parser():
 
 
 def _inputs(args):
-    """The model config and the roofline from the arguments; one ConfigError for the first bad one."""
+    """The model config, the roofline and the device count from the arguments (with --evaluate the
+    count is the config's mesh's: `_evaluated_devices`); one ConfigError for the first bad one."""
     from jaxpar.config import from_dict, load_config
     from jaxpar.plan_presets import HARDWARE, MODELS
 
@@ -443,8 +452,14 @@ def _inputs(args):
         raise ConfigError(f"unknown model preset {args.preset!r}; the presets are {', '.join(MODELS)}.")
     if args.hardware not in HARDWARE:
         raise ConfigError(f"unknown hardware preset {args.hardware!r}; the presets are {', '.join(HARDWARE)}.")
-    if args.devices < 1:
+    if args.devices is None and not args.evaluate:
+        raise ConfigError("the following arguments are required: --devices (the number of accelerators; only "
+                          "--evaluate reads it from the config's mesh); see python -m jaxpar.plan --help.")
+    if args.devices is not None and args.devices < 1:
         raise ConfigError(f"--devices {args.devices} must be at least 1; give the number of accelerators.")
+    if args.evaluate and (args.write_config or args.memory_wall):
+        flag = "--write-config" if args.write_config else "--memory-wall"
+        raise ConfigError(f"{flag} goes with the search, which --evaluate does not run; drop one of the two.")
     hw = HARDWARE[args.hardware]
     for flag, value in (("--node-size", args.node_size), ("--peak-tflops", args.peak_tflops),
                         ("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw),
@@ -453,9 +468,12 @@ def _inputs(args):
             raise ConfigError(f"{flag} {value:g} must be positive; give a number above zero.")
     if args.compute_efficiency is not None and not 0 < args.compute_efficiency <= 1:
         raise ConfigError(f"--compute-efficiency {args.compute_efficiency:g} must lie in (0, 1]; e.g. 0.5.")
+    cfg = load_config(args.config) if args.config else from_dict(MODELS[args.preset][1])
+    devices = _evaluated_devices(cfg, args) if args.evaluate else args.devices
     node = args.node_size or hw.node_size
-    if args.devices > node and args.devices % node:
-        raise ConfigError(f"--devices {args.devices} is more than one node of {node} but not a whole number of "
+    if devices > node and devices % node:
+        what = f"--devices {devices}" if args.devices else f"the mesh's {devices} devices"
+        raise ConfigError(f"{what} is more than one node of {node} but not a whole number of "
                           f"nodes; give a multiple of {node} (or set --node-size).")
     scale = 1.0 if args.peak_tflops is None else args.peak_tflops * 1e12 / hw.peak_flops
     hw = dataclasses.replace(
@@ -464,7 +482,6 @@ def _inputs(args):
         peak_flops=hw.peak_flops * scale, peak_flops_fp32=hw.peak_flops_fp32 * scale,
         intra_node_bw=hw.intra_node_bw if args.intra_node_bw is None else args.intra_node_bw * 1e9,
         inter_node_bw=hw.inter_node_bw if args.inter_node_bw is None else args.inter_node_bw * 1e9)
-    cfg = load_config(args.config) if args.config else from_dict(MODELS[args.preset][1])
     over = {}
     if args.global_batch:
         over["train"] = {"global_batch": args.global_batch}
@@ -472,9 +489,19 @@ def _inputs(args):
         over["model"] = {"seq_len": args.seq_len}
     if over:
         cfg = cfg.replace(**over)
-    # The planner chooses the layout: what the file says about it is a starting point only.
+    # The planner chooses the layout (--evaluate: costs the file's): where it runs is --platform.
     cfg = cfg.replace(runtime={"cpu_devices": cfg.runtime.cpu_devices if args.platform == "cpu" else None})
-    return cfg, Roofline(hw, args.compute_efficiency, args.devices, args.collective_matmul)
+    return cfg, Roofline(hw, args.compute_efficiency, devices, args.collective_matmul), devices
+
+
+def _evaluated_devices(cfg: Config, args) -> int:
+    """The device count of the layout --evaluate costs: the product of the config's mesh, an axis of
+    -1 filled from --devices (on --platform cpu, else from the config's `runtime.cpu_devices`, as
+    the run itself fills it)."""
+    n = args.devices
+    if n is None and -1 in (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model) and args.platform == "cpu":
+        n = cfg.runtime.cpu_devices
+    return math.prod(layout_shape(cfg, n))
 
 
 def main(argv=None) -> int:
@@ -484,107 +511,81 @@ def main(argv=None) -> int:
     jax.config.update("jax_platforms", "cpu")  # the planner only traces: never take an accelerator
     try:
         args = _parser().parse_args(argv)
-        cfg, roof = _inputs(args)
-        if args.memory_wall and not args.json:
-            _print_wall(cfg, args, roof)
-        result = plan(cfg, args.devices, roof, args.platform, keep=args.top)
-        if not result.ranked:
-            if result.too_big:
-                best = result.too_big[0]
-                raise JaxparError(
-                    f"{cfg.model.arch} with {describe_params(cfg.model)} fits in no layout of "
-                    f"{args.devices} x {_human(roof.hardware.memory_bytes)}: the smallest needs "
-                    f"{_human(best.memory['total'])} per device ({_describe(best)}); add devices or memory.")
-            raise JaxparError(f"no layout of {args.devices} devices passes jaxpar's validation ("
-                              + "; ".join(f"{k} x{n}" for k, n in list(result.refused.items())[:3])
-                              + "); change --devices or --global-batch.")
-        if args.write_config:
-            _write_config(result.ranked[0].cfg, args.write_config)
+        cfg, roof, devices = _inputs(args)
+        if args.evaluate:
+            est = evaluate(cfg, roof, args.platform, devices)
+        else:
+            if args.memory_wall and not args.json:
+                from jaxpar.plan_report import print_wall
+                print_wall(cfg, args, roof)
+            # --json estimates every layout that might fit (no skip by the step-time floor, which
+            # only keeps the table's first --top rows exact): those rows are the same either way.
+            result = plan(cfg, devices, roof, args.platform, keep=None if args.json else args.top)
+            if not result.ranked:
+                if result.too_big:
+                    raise JaxparError(
+                        f"{cfg.model.arch} with {describe_params(cfg.model)} fits in no layout of {devices} x "
+                        f"{_human(roof.hardware.memory_bytes)}: the smallest "
+                        + _too_big(result.too_big[0], roof.hardware)
+                        + "; the search tried every ZeRO stage, remat policy and microbatch count these devices allow, "
+                        "so what is left is " + _fixes(result.too_big[0], roof.hardware) + ".")
+                raise JaxparError(f"no layout of {devices} devices passes jaxpar's validation ("
+                                  + "; ".join(f"{k} x{n}" for k, n in list(result.refused.items())[:3])
+                                  + "); change --devices or --global-batch.")
+            if args.write_config:
+                _write_config(result.ranked[0].cfg, args.write_config)
     except JaxparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from jaxpar.plan_report import print_evaluation, print_report
     if args.json:
-        print(json.dumps([e.to_dict() for e in result.ranked + result.too_big]))
-        return 0
-    _print_report(cfg, roof, args, result)
+        print(json.dumps(est.to_dict() if args.evaluate else to_json(result)))
+    elif args.evaluate:
+        print_evaluation(cfg, roof, args, est)
+    else:
+        print_report(cfg, roof, args, result)
     return 0
 
 
-def _print_wall(cfg, args, roof) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    n, active = param_counts(cfg.model)
-    moe = f" ({active / 1e9:.1f} B active)" if cfg.model.moe else ""
-    table = Table(title=f"the memory wall: Ψ = {n / 1e9:.1f} B parameters{moe} on {args.devices} devices "
-                        f"of {_human(roof.hardware.memory_bytes)}", caption="GB per device")
-    for col in ("strategy", "(data, stage, model)", "params", "grads", "optimizer", "activations", "total", "fits"):
-        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
-    notes = []
-    for label, shape, mem in memory_wall(cfg, args.devices, roof.hardware.node_size, args.platform):
-        if isinstance(mem, str):
-            notes.append(f"[{len(notes) + 1}] {label}: refused by jaxpar's validation: {mem}")
-            table.add_row(label, shape, *["-"] * 5, f"[{len(notes)}]")
-            continue
-        act = mem["activations"] + mem["pipeline_buffers"] + mem["gathered_params"] + mem["batch"]
-        table.add_row(label, shape, *(f"{mem[k] / 1e9:,.1f}" for k in ("params", "gradients", "optimizer")),
-                      f"{act / 1e9:,.1f}", f"{mem['total'] / 1e9:,.1f}",
-                      "yes" if mem["total"] <= roof.hardware.memory_bytes else "no")
-    console = Console(soft_wrap=True)
-    if not console.is_terminal:
-        console = Console(soft_wrap=True, width=200)
-    console.print(table)
-    for note in notes:
-        console.print(note, highlight=False)
+def to_json(result: Plan) -> dict[str, Any]:
+    """The object `--json` prints: `layouts`, every layout the search estimated (run without
+    `keep`: no layout is skipped by the step-time floor), those that fit first with `rank` 1, 2, ...
+    in the table's order, then those that do not fit (`fits` false, `rank` None) by memory;
+    `not_estimated`, the layouts skipped unestimated by reason (`Plan.pruned`: `bigger`, those
+    that need at least the memory of a listed layout that does not fit, by the planner's rule that
+    memory does not fall with less remat, SP off or fewer microbatches; `slower`, 0 here); and
+    `refused`, how many jaxpar's validation refused, by reason."""
+    return {"layouts": [e.to_dict(i) for i, e in enumerate(result.ranked, 1)] + [e.to_dict() for e in result.too_big],
+            "not_estimated": dict(result.pruned), "refused": dict(result.refused)}
 
 
-def _print_report(cfg, roof, args, result) -> None:
-    from rich.console import Console
+def _activ(mem: dict[str, int]) -> int:
+    """The table's `activ` column: activations, pipeline buffers, ZeRO-3's gathered copies, batch."""
+    return mem["activations"] + mem["pipeline_buffers"] + mem["gathered_params"] + mem["batch"]
 
-    console = Console(soft_wrap=True)
-    if not console.is_terminal:
-        console = Console(soft_wrap=True, width=200)
-    m, hw = cfg.model, roof.hardware
-    n = model.count_params(m)
-    tokens = cfg.train.global_batch * m.seq_len
-    mlp = (f"d_ff {m.d_ff}" if not m.moe else
-           f"MoE {m.n_experts} experts of {m.expert_width}, top-{m.experts_per_token}"
-           + (f" + {m.n_shared_experts} shared" if m.n_shared_experts else "")
-           + (" (expert parallel over data)" if cfg.parallel.expert_parallel else " (experts replicated over data)"))
-    console.print(
-        f"model   {m.arch}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads ({m.kv_heads} kv), "
-        f"{mlp}, vocab {m.vocab_size}, seq {m.seq_len}; Ψ = {describe_params(m)}; compute {m.dtype}, params "
-        f"{m.param_dtype}\n"
-        f"        {m.param_dtype} weights {_human(n * _BYTES[m.param_dtype])}; with gradients and Adam "
-        f"{_human(4 * n * _BYTES[m.param_dtype])} (16 bytes per parameter in float32)\n"
-        f"step    {cfg.train.global_batch} x {m.seq_len} = {tokens:,} tokens; model FLOPs "
-        f"{model_flops_per_token(cfg) * tokens:.3g} (6N + 12·L·d·S per token"
-        + (", N the active parameters)" if m.moe else ")") + "\n"
-        f"cluster {args.devices} x {hw.name}, {_human(hw.memory_bytes)} each, {hw.node_size} per node; peak "
-        f"{(hw.peak_flops if m.dtype != 'float32' else hw.peak_flops_fp32) / 1e12:g} TFLOP/s at {m.dtype}, "
-        + (f"compute at {roof.compute_efficiency:.0%} of it" if roof.compute_efficiency is not None else
-           f"compute by matmul sizes and attention kernel (H200-calibrated), HBM {hw.hbm_bw / 1e12:g} TB/s")
-        + f"; links {hw.intra_node_bw / 1e9:g} GB/s in a node, "
-        f"{hw.inter_node_bw / 1e9:g} GB/s across (per device, per direction)\n"
-        f"overlap per layer: forward tensor-parallel collectives exposed"
-        + (" past their matmuls (collective matmul)" if roof.collective_matmul else "")
-        + ", backward ones past the weight-gradient matmul; data-axis traffic in the layer scan beside the "
-        f"next layer's compute, after the loops exposed; pipeline sends exposed; bubble from the schedule simulator",
-        highlight=False)
-    shown = result.ranked[:args.top]
-    console.print(_table(shown, f"{len(result.ranked)} layouts fit, fastest first "
-                                f"({len(result.too_big)} do not fit; {sum(result.refused.values())} refused by "
-                                f"jaxpar's validation; not estimated: {result.pruned.get('slower', 0)} slower "
-                                f"than #{args.top} in compute alone, {result.pruned.get('bigger', 0)} bigger "
-                                f"than one that does not fit)"))
-    if result.refused:
-        console.print("refused, by reason: " + "; ".join(
-            f"{k} ({v})" for k, v in sorted(result.refused.items(), key=lambda kv: -kv[1])[:5]), highlight=False)
-    best = result.ranked[0]
-    console.print(f"best: {_describe(best)}: {_human(best.memory['total'])} per device, "
-                  f"{best.time['total']:.3g} s per step, MFU {best.mfu:.1%}", highlight=False)
-    if args.write_config:
-        console.print(f"written to {args.write_config}", highlight=False)
+
+def _too_big(e: Estimate, hw) -> str:
+    """'needs 95.7 GB per device (its layout), 15.7 GB over the 80.0 GB of one H100-SXM5-80GB:
+    parameters ... + gradients ... + optimizer state ... + activations ...'."""
+    mem = e.memory
+    return (f"needs {_human(mem['total'])} per device ({_describe(e)}), "
+            f"{_human(mem['total'] - hw.memory_bytes)} over the {_human(hw.memory_bytes)} of one {hw.name}: "
+            f"parameters {_human(mem['params'])} + gradients {_human(mem['gradients'])} + optimizer state "
+            f"{_human(mem['optimizer'])} + activations {_human(_activ(mem))}")
+
+
+def _fixes(e: Estimate, hw, knobs: tuple[str, ...] = ()) -> str:
+    """'a, b, c or d': what would make `e` fit, `knobs` (the config's own settings) first, then more
+    devices, a device with more memory, and shorter sequences where activations are its largest part."""
+    from jaxpar.plan_presets import HARDWARE
+    bigger = [k for k, h in HARDWARE.items() if h.memory_bytes > hw.memory_bytes]
+    fixes = [*knobs, "more devices", "a device with more memory ("
+             + (f"--hardware {max(bigger, key=lambda k: HARDWARE[k].memory_bytes)} or " if bigger else "")
+             + "--device-memory)"]
+    mem = e.memory
+    if _activ(mem) > max(mem["params"], mem["gradients"], mem["optimizer"]):
+        fixes.append("shorter sequences (--seq-len)")
+    return ", ".join(fixes[:-1]) + " or " + fixes[-1]
 
 
 if __name__ == "__main__":

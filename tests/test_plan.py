@@ -253,7 +253,7 @@ def test_stage_counts_that_do_not_divide_the_layers_are_candidates_that_run():
 def test_json_has_the_documented_keys(capsys):
     code = main(["--config", "configs/tiny_llama.yaml", "--devices", "8", "--platform", "cpu", "--json"])
     assert code == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["layouts"]
     first = rows[0]
     assert set(first["mesh"]) == {"data", "stage", "model"}
     assert set(first["parallel"]) == set(load_config("configs/tiny_llama.yaml").to_dict()["parallel"])
