@@ -1,9 +1,10 @@
 """Will a model fit, and which layout trains it fastest? Every valid (data, stage, model) layout, ZeRO
 stage, schedule, microbatch count and remat policy of a model on a cluster, costed by
 `jaxpar.costs` and ranked by predicted step time; `python -m jaxpar.plan` prints the table, JSON or
-the best layout as a config. Validity is decided only by jaxpar's own validation
+the best layout as a config, or with `--evaluate` the figures of the one layout a config states
+(`evaluate`, the same `estimate`). Validity is decided only by jaxpar's own validation
 (`jaxpar.config.validate`, `jaxpar.mesh.check_sizes`, the ZeRO layout's refusals), so a layout
-jaxpar learns to run is admitted without a change here.
+jaxpar learns to run is admitted without a change here. What the CLI prints: `jaxpar.plan_report`.
 """
 
 from __future__ import annotations
@@ -177,8 +178,9 @@ def candidates(cfg: Config, devices: int, node_size: int):
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Ranked estimates of the configurations that fit, the best of those that do not, why
-    the others were refused, and how many were pruned unestimated."""
+    """Ranked estimates of the configurations that fit, those estimated that do not (by memory),
+    why the others were refused, and how many were pruned unestimated (`to_json` lists the first
+    two and counts the others)."""
 
     ranked: list[Estimate]
     too_big: list[Estimate]

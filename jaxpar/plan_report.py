@@ -155,17 +155,13 @@ def print_evaluation(cfg, roof, args, e: Estimate) -> None:
 
 
 def _evaluate_fix(e: Estimate, hw) -> str:
-    """What would shrink this layout: the config's own memory settings first (ZeRO-3 over a data
-    axis, remat full, more microbatches where activations are the largest part), then hardware
-    (`plan._fixes`), then the search."""
-    par, (d, p, t) = e.cfg.parallel, e.shape
-    knobs = []
-    if d > 1 and par.zero < 3:
-        knobs.append("parallel.zero: 3")
-    if par.remat != "full":
-        knobs.append("parallel.remat: full")
-    mem = e.memory
-    if _activ(mem) > max(mem["params"], mem["gradients"], mem["optimizer"]) and \
-            par.microbatches < e.cfg.train.global_batch // d:
-        knobs.append("more parallel.microbatches")
+    """What would shrink this layout: the config's own memory settings first, those for its larger
+    part first (state: ZeRO-3 over a data axis; activations: remat full, SP over a model axis, more
+    microbatches), then hardware (`plan._fixes`), then the search."""
+    par, (d, p, t), mem = e.cfg.parallel, e.shape, e.memory
+    state = ["parallel.zero: 3"] if d > 1 and par.zero < 3 else []
+    act = (["parallel.remat: full"] if par.remat != "full" else []) + (
+        ["parallel.sequence_parallel: true"] if t > 1 and not par.sequence_parallel else []) + (
+        ["more parallel.microbatches"] if par.microbatches < e.cfg.train.global_batch // d else [])
+    knobs = act + state if _activ(mem) > mem["params"] + mem["gradients"] + mem["optimizer"] else state + act
     return f"it would shrink with {_fixes(e, hw, tuple(knobs))}; or drop --evaluate to search every layout"
