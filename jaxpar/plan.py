@@ -368,6 +368,8 @@ def _describe(e: Estimate) -> str:
         parts.append(f"{e.cfg.train.master_weights} master weights")
     if t > 1:
         parts.append("SP" if par.sequence_parallel else "no SP")
+    if par.offload != "none":
+        parts.append(f"{par.offload} offloaded")
     return ", ".join(parts)
 
 
@@ -425,7 +427,8 @@ def _parser():
                          "matmuls (jaxpar does not set its flags: off by default)")
     ap.add_argument("--global-batch", type=int, help="sequences per step (default: the config's or preset's)")
     ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's or preset's)")
-    ap.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    ap.add_argument("--top", type=int, help="rows of the table (default 10); with --json, estimate only the layouts "
+                    "that can enter the first TOP (faster; the others counted in not_estimated.slower) instead of all")
     ap.add_argument("--write-config", metavar="FILE", help="write the fastest fitting layout as a jaxpar YAML config")
     ap.add_argument("--json", action="store_true", help="print JSON: every layout estimated, each with `fits` and "
                     "`rank` (those that fit by predicted step time, then those that do not by memory), and how many "
@@ -520,9 +523,9 @@ def main(argv=None) -> int:
             if args.memory_wall and not args.json:
                 from jaxpar.plan_report import print_wall
                 print_wall(cfg, args, roof)
-            # --json estimates every layout that might fit (no skip by the step-time floor, which
-            # only keeps the table's first --top rows exact): those rows are the same either way.
-            result = plan(cfg, devices, roof, args.platform, keep=None if args.json else args.top)
+            # --json estimates every layout that might fit unless given --top (the step-time floor's
+            # skip keeps only the first --top rows exact): those rows are the same either way.
+            result = plan(cfg, devices, roof, args.platform, keep=args.top if args.json else args.top or 10)
             if not result.ranked:
                 if result.too_big:
                     raise JaxparError(
@@ -550,13 +553,14 @@ def main(argv=None) -> int:
 
 
 def to_json(result: Plan) -> dict[str, Any]:
-    """The object `--json` prints: `layouts`, every layout the search estimated (run without
-    `keep`: no layout is skipped by the step-time floor), those that fit first with `rank` 1, 2, ...
-    in the table's order, then those that do not fit (`fits` false, `rank` None) by memory;
-    `not_estimated`, the layouts skipped unestimated by reason (`Plan.pruned`: `bigger`, those
-    that need at least the memory of a listed layout that does not fit, by the planner's rule that
-    memory does not fall with less remat, SP off or fewer microbatches; `slower`, 0 here); and
-    `refused`, how many jaxpar's validation refused, by reason."""
+    """The object `--json` prints: `layouts`, every layout the search estimated, those that fit
+    first with `rank` 1, 2, ... in the table's order, then those that do not fit (`fits` false,
+    `rank` None) by memory; `not_estimated`, the layouts skipped unestimated, by reason
+    (`Plan.pruned`): `slower`, those whose compute alone is slower than the `keep`-th fastest that
+    fits (0 where the search ran without `keep`, as `--json` does unless given --top), and
+    `bigger`, those that need at least the memory of a listed layout that does not fit (by the
+    planner's rule that memory does not fall with less remat, SP off or fewer microbatches: taken
+    not to fit); and `refused`, how many jaxpar's validation refused, by reason."""
     return {"layouts": [e.to_dict(i) for i, e in enumerate(result.ranked, 1)] + [e.to_dict() for e in result.too_big],
             "not_estimated": dict(result.pruned), "refused": dict(result.refused)}
 

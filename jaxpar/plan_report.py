@@ -59,11 +59,12 @@ def print_report(cfg, roof, args, result) -> None:
     """The search's answer: the header, the first --top rows of the ranking, the refusals, the best."""
     console = _console()
     console.print(header(cfg, roof, args, args.devices), highlight=False)
-    shown = result.ranked[:args.top]
+    top = args.top or 10
+    shown = result.ranked[:top]
     console.print(_table(shown, f"{len(result.ranked)} layouts fit, fastest first "
                                 f"({len(result.too_big)} do not fit; {sum(result.refused.values())} refused by "
                                 f"jaxpar's validation; not estimated: {result.pruned.get('slower', 0)} slower "
-                                f"than #{args.top} in compute alone, {result.pruned.get('bigger', 0)} bigger "
+                                f"than #{top} in compute alone, {result.pruned.get('bigger', 0)} bigger "
                                 f"than one that does not fit)"))
     if result.refused:
         console.print("refused, by reason: " + "; ".join(

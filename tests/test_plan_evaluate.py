@@ -129,6 +129,16 @@ def test_json_lists_every_estimated_layout_with_fits_and_rank(search):
     assert set(rows) == {"layouts", "not_estimated", "refused"}
 
 
+def test_json_with_top_skips_as_the_table_does_and_counts_it(tmp_path, capsys, search):
+    _, table = search
+    path = write(tmp_path)
+    code, out, _ = run(capsys, "--config", path, "--devices", DEVICES, *CPU, "--json", "--device-memory", "3MB",
+                       "--top", 3)
+    rows = json.loads(out)
+    assert code == 0 and rows["not_estimated"] == table.pruned and rows["not_estimated"]["slower"] > 0
+    assert [key(r) for r in rows["layouts"]] == [key(e.to_dict()) for e in table.ranked + table.too_big]
+
+
 def test_fits_nowhere_names_the_parts_of_the_smallest_layouts_memory(tmp_path, capsys):
     path = write(tmp_path)
     out_file = tmp_path / "never.yaml"
