@@ -501,8 +501,8 @@ def _inputs(args):
 
 def _evaluated_devices(cfg: Config, args) -> int:
     """The device count of the layout --evaluate costs: the product of the config's mesh, an axis of
-    -1 filled from --devices (on --platform cpu, else from the config's `runtime.cpu_devices`, as
-    the run itself fills it)."""
+    -1 filled from --devices or, on --platform cpu without it, from the config's
+    `runtime.cpu_devices` (as the run itself fills it)."""
     n = args.devices
     if n is None and -1 in (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model) and args.platform == "cpu":
         n = cfg.runtime.cpu_devices
@@ -532,8 +532,8 @@ def main(argv=None) -> int:
                         f"{cfg.model.arch} with {describe_params(cfg.model)} fits in no layout of {devices} x "
                         f"{_human(roof.hardware.memory_bytes)}: the smallest "
                         + _too_big(result.too_big[0], roof.hardware)
-                        + "; the search tried every ZeRO stage, remat policy and microbatch count these devices allow, "
-                        "so what is left is " + _fixes(result.too_big[0], roof.hardware) + ".")
+                        + "; the search tried every ZeRO stage, remat policy and microbatch count these devices "
+                        "allow, so what is left is " + _fixes(result.too_big[0], roof.hardware) + ".")
                 raise JaxparError(f"no layout of {devices} devices passes jaxpar's validation ("
                                   + "; ".join(f"{k} x{n}" for k, n in list(result.refused.items())[:3])
                                   + "); change --devices or --global-batch.")
@@ -571,11 +571,11 @@ def _activ(mem: dict[str, int]) -> int:
 
 
 def _too_big(e: Estimate, hw) -> str:
-    """'needs 95.7 GB per device (its layout), 15.7 GB over the 80.0 GB of one H100-SXM5-80GB:
-    parameters ... + gradients ... + optimizer state ... + activations ...'."""
+    """'needs 95.7 GB per device (its layout), 15.7 GB over the 80.0 GB of a device: parameters ...
+    + gradients ... + optimizer state ... + activations ...'."""
     mem = e.memory
     return (f"needs {_human(mem['total'])} per device ({_describe(e)}), "
-            f"{_human(mem['total'] - hw.memory_bytes)} over the {_human(hw.memory_bytes)} of one {hw.name}: "
+            f"{_human(mem['total'] - hw.memory_bytes)} over the {_human(hw.memory_bytes)} of a device: "
             f"parameters {_human(mem['params'])} + gradients {_human(mem['gradients'])} + optimizer state "
             f"{_human(mem['optimizer'])} + activations {_human(_activ(mem))}")
 

@@ -146,7 +146,7 @@ def test_fits_nowhere_names_the_parts_of_the_smallest_layouts_memory(tmp_path, c
                          "--write-config", out_file)
     assert code == 2 and out == "" and err.count("\n") == 1 and not out_file.exists()
     match = re.search(r"the smallest needs ([0-9.]+ [kM]?B) per device \(\(data, stage, model\) = .*\), "
-                      r"[0-9.]+ [kM]?B over the 1.0 MB of one H100-SXM5-80GB: parameters [0-9.]+ [kM]?B \+ "
+                      r"[0-9.]+ [kM]?B over the 1.0 MB of a device: parameters [0-9.]+ [kM]?B \+ "
                       r"gradients [0-9.]+ [kM]?B \+ optimizer state [0-9.]+ [kM]?B \+ activations [0-9.]+ [kM]?B; "
                       r"the search tried every ZeRO stage, remat policy and microbatch count these devices allow, "
                       r"so what is left is more devices or a device with more memory \(--hardware h200-141gb or "
@@ -170,8 +170,8 @@ def test_evaluate_of_a_layout_that_does_not_fit_names_its_parts_and_fixes(tmp_pa
     code, out, _ = run(capsys, "--config", path, "--evaluate", *CPU, "--device-memory", "1MB")
     assert code == 0
     match = re.search(r"\ndoes not fit: this layout needs [0-9.]+ [kM]?B per device \(\(data, stage, model\) = "
-                      r"\(2, 1, 1\), ZeRO-0, 1 microbatch, remat none\), [0-9.]+ [kM]?B over the 1.0 MB of one "
-                      r"H100-SXM5-80GB: parameters .* \+ gradients .* \+ optimizer state .* \+ activations [^;]*; "
+                      r"\(2, 1, 1\), ZeRO-0, 1 microbatch, remat none\), [0-9.]+ [kM]?B over the 1.0 MB of a "
+                      r"device: parameters .* \+ gradients .* \+ optimizer state .* \+ activations [^;]*; "
                       r"it would shrink with ([^;]*); or drop --evaluate", out)
     assert match, out
     fixes = match.group(1)
