@@ -398,8 +398,20 @@ def _field_types(cls) -> dict[str, Any]:
 
 def _unknown_key(key: str, valid: Sequence[str], where: str) -> ConfigError:
     close = difflib.get_close_matches(key.split(".")[-1], valid, n=1)
-    hint = f"did you mean `{close[0]}`?" if close else f"valid keys are: {', '.join(valid)}."
+    prefix = key.rpartition(".")[0]
+    hint = (f"did you mean `{prefix + '.' if prefix else ''}{close[0]}`?" if close
+            else f"valid keys are: {', '.join(valid)}.")
     return ConfigError(f"unknown config key `{key}` in {where}; {hint}")
+
+
+def _check_key(section: str, key: str | None, where: str) -> None:
+    """Raise the unknown-key ConfigError, blaming `where`, if `section` (and `section.key`) is not in the schema."""
+    sections = _field_types(Config)
+    if section not in sections:
+        raise _unknown_key(section, list(sections), where)
+    fields = _field_types(sections[section])
+    if key is not None and key not in fields:
+        raise _unknown_key(f"{section}.{key}", list(fields), where)
 
 
 def _describe(tp: Any) -> str:
@@ -459,8 +471,7 @@ def from_dict(raw: dict[str, Any], where: str = "the config") -> Config:
     sections = _field_types(Config)
     kwargs = {}
     for name, section in raw.items():
-        if name not in sections:
-            raise _unknown_key(name, list(sections), where)
+        _check_key(name, None, where)
         section = {} if section is None else section  # a section whose keys are all commented out
         if not isinstance(section, dict):
             raise ConfigError(f"config section `{name}` must be a mapping of keys, got {section!r}; "
@@ -468,8 +479,7 @@ def from_dict(raw: dict[str, Any], where: str = "the config") -> Config:
         fields = _field_types(sections[name])
         values = {}
         for key, value in section.items():
-            if key not in fields:
-                raise _unknown_key(f"{name}.{key}", list(fields), where)
+            _check_key(name, key, where)
             values[key] = _coerce(f"{name}.{key}", value, fields[key])
         kwargs[name] = sections[name](**values)
     return Config(**kwargs)
@@ -515,11 +525,19 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {str(path)!r} cannot be read ({e.__class__.__name__}: {e}); "
                               "pass a readable UTF-8 YAML file.") from None
+        if isinstance(raw, dict) and ("model_type" in raw or "architectures" in raw) and not raw.keys() & \
+                {f.name for f in dataclasses.fields(Config)}:
+            folder = os.path.dirname(str(path)) or "."
+            raise ConfigError(f"config file {str(path)!r} is a Hugging Face model's config.json, not a jaxpar config; "
+                              f"convert the model with `python -m jaxpar.convert --from-hf {folder} --to RUN_DIR` "
+                              "and pass `--config RUN_DIR/config.yaml`.")
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(path)!r} must be a mapping of sections (model, mesh, ...), "
                               f"got a {type(raw).__name__}; write it as YAML sections like `model: {{d_model: 128}}`.")
     for text in overrides:
         (section, key), value = parse_override(text)
+        # A typo in an override is the override's, not the file's: check its key before merging it.
+        _check_key(section, key, f"`--set {text.strip()}`")
         if raw.get(section) is None:
             raw[section] = {}
         if not isinstance(raw[section], dict):
@@ -800,6 +818,16 @@ def check_stage_axis(cfg: Config, p: int) -> None:
         _require(min(counts) >= 1 and sum(counts) == m.n_layers,
                  f"parallel.stage_layers = {list(counts)} must be positive counts that sum to model.n_layers = "
                  f"{m.n_layers}; fix the counts.")
+    if m.n_layers < chunks:  # no layout at all, even or not: every chunk needs a layer
+        fewer = max(d for d in range(1, p + 1) if m.n_layers % (d * par.virtual_stages) == 0) \
+            if m.n_layers >= par.virtual_stages else None
+        what = (f"mesh.stage = {p} needs at least {chunks} layers (one per stage)" if par.virtual_stages == 1 else
+                f"mesh.stage x parallel.virtual_stages = {p} x {par.virtual_stages} = {chunks} pipeline chunks need "
+                f"at least {chunks} layers (one per chunk)")
+        less = (f"use fewer stages (mesh.stage={fewer})" if fewer else
+                f"use fewer virtual stages (parallel.virtual_stages={m.n_layers} or less)")
+        raise ConfigError(f"{what}, but model.n_layers = {m.n_layers}; {less} or more layers "
+                          f"(model.n_layers={chunks}).")
     _require(par.stage_layers is not None or m.n_layers % chunks == 0,
              f"model.n_layers = {m.n_layers} cannot be split evenly into mesh.stage x parallel.virtual_stages "
              f"= {p} x {par.virtual_stages} = {chunks} pipeline chunks; choose n_layers as a multiple of {chunks}, "
