@@ -176,8 +176,13 @@ def _stage_dim(names: tuple[str, ...], shape: tuple[int, ...], split: tuple[int,
 
 def _without_stage(spec: P) -> P:
     """`spec` with `stage` dropped from every dim."""
+    return _without(spec, "stage")
+
+
+def _without(spec: P, axis: str) -> P:
+    """`spec` with `axis` dropped from every dim."""
     def drop(ax):
-        kept = tuple(a for a in ((ax,) if isinstance(ax, str) else ax or ()) if a != "stage")
+        kept = tuple(a for a in ((ax,) if isinstance(ax, str) else ax or ()) if a != axis)
         return None if not kept else kept[0] if len(kept) == 1 else kept
     return P(*map(drop, spec))
 
@@ -211,7 +216,12 @@ def _refuse_replicated(names, shapes, dims, data, min_elements, experts) -> None
 
 def state_bytes(layout: Layout, shapes: Any, mesh: Mesh, moments_per_param: int = 2) -> dict[str, dict[str, int]]:
     """Per-device and fully replicated bytes of parameters, gradients and optimizer state (Adam: two
-    moments per parameter, in the parameter dtype)."""
+    moments per parameter, in the parameter dtype).
+
+    Per device, every axis of a leaf's spec divides it: `stage` (the layer stacks, and the shared
+    leaves a pipeline stores split), `model` (tensor-parallel leaves), `data` (ZeRO-3 parameters,
+    ZeRO-1+ optimizer state, ZeRO-2+ gradients, and expert-parallel leaves). ZeRO-1's gradients are
+    counted whole over `data` (held so before their reduce-scatter), still split by the others."""
 
     def per_device(specs: Any) -> int:
         def leaf(spec: P, s) -> int:
@@ -227,7 +237,8 @@ def state_bytes(layout: Layout, shapes: Any, mesh: Mesh, moments_per_param: int 
     # expert-parallel leaf's gradient is this rank's experts' only, whatever the ZeRO stage.
     experts = layout.experts if layout.experts is not None else jax.tree.map(lambda _: False, shapes)
     held = layout.grads if layout.zero >= 2 else jax.tree.map(
-        lambda spec, e: spec if e else P(), layout.grads, experts, is_leaf=lambda x: isinstance(x, P))
+        lambda spec, e: spec if e else _without(spec, "data"), layout.grads, experts,
+        is_leaf=lambda x: isinstance(x, P))
     return {
         "params": {"per_device": per_device(layout.params), "replicated": full},
         "grads": {"per_device": per_device(held), "replicated": full},
