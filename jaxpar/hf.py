@@ -28,6 +28,7 @@ import ml_dtypes  # noqa: F401  (registers numpy's `bfloat16`, which safetensors
 import numpy as np
 
 from jaxpar import hf_moe
+from jaxpar.files import publish as _publish
 from jaxpar.config import Config, ConfigError, JaxparError, ModelConfig, validate
 
 INDEX = "model.safetensors.index.json"
@@ -54,8 +55,15 @@ def read_hf_config(folder: str) -> dict[str, Any]:
         raise HFError(f"{folder!r} is not a directory; pass a Hugging Face model folder (config.json + *.safetensors).")
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
-        raise HFError(f"{folder!r} has no config.json, so it is not a Hugging Face model folder; pass a folder "
-                      "written by save_pretrained (config.json + *.safetensors).")
+        from jaxpar.cli import KINDS, folder_kind
+
+        kind = folder_kind(folder)
+        if kind == "run":
+            raise HFError(f"{folder!r} is {KINDS['run']}, not a Hugging Face model folder; export it with "
+                          f"`python -m jaxpar.convert --run-dir {folder} --to-hf DIR` and pass DIR.")
+        what = f"is {KINDS['dataset']}, not a model" if kind == "dataset" else \
+            "has no config.json, so it is not a Hugging Face model folder"
+        raise HFError(f"{folder!r} {what}; pass a folder written by save_pretrained (config.json + *.safetensors).")
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -232,34 +240,70 @@ def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
     return out
 
 
+_MATCHED = ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "head_size", "n_experts", "experts_per_token",
+            "expert_width", "n_shared_experts", "router", "router_norm_topk", "moe_pattern", "d_ff", "vocab_size",
+            "norm_eps", "tied", "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rope_factor",
+            "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
+# Keys compared as the model uses them, set through another field (null there: derived from others).
+_SET_BY = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "tied": "tie_embeddings", "expert_width": "expert_d_ff",
+           "moe_pattern": "moe_layers"}
+
+
 def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
     """The folder's ModelConfig, after checking that `cfg` describes the same function (shapes,
     norm epsilon, RoPE base and scaling, tie, q/k/v biases and norms; seq_len within the folder's
-    positions); raises HFError otherwise."""
+    positions); raises one HFError listing every setting that differs otherwise.
+
+    A derived value (the head width, KV heads, tie, expert width) is listed only if it still
+    differs once the settings it derives from take the folder's values: d_model = 128 against 64
+    is one difference, not also a head_dim one."""
     hf_cfg = config_from_hf(folder)
     path = os.path.join(folder, "config.json")
-    for key in ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "head_size", "n_experts", "experts_per_token",
-                "expert_width", "n_shared_experts", "router", "router_norm_topk", "moe_pattern", "d_ff", "vocab_size", "norm_eps",
-                "tied", "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                "rope_original_context"):
-        want, got = getattr(hf_cfg, key), getattr(cfg, key)
-        used = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "rope_scaling", "rope_factor")}
+    used = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "rope_scaling", "rope_factor")}
+
+    def compared(key: str) -> bool:
         if key.startswith("rope") and (cfg.arch != "llama" or key not in used.get(hf_cfg.rope_scaling, (key,))):
-            continue
+            return False
         if key == "d_ff" and hf_cfg.moe and not hf_cfg.mixed:  # every MLP is MoE: d_ff is unused
-            continue
-        if key in ("experts_per_token", "expert_width", "n_shared_experts", "router", "router_norm_topk", "moe_pattern") \
-                and not hf_cfg.moe:  # both dense (n_experts matched): the MoE keys are unused
-            continue
-        if key == "moe_pattern" and want != got:
-            raise HFError(f"model.moe_layers = {cfg.moe_layers} does not match {hf_cfg.moe_layers} of {path!r}; set "
-                          f"model.moe_layers={hf_cfg.moe_layers} (or start from another folder).")
-        if want != got:
-            name = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "tied": "tie_embeddings",
-                    "expert_width": "expert_d_ff"}.get(key, key)
-            raise HFError(f"model.{name} = {got!r} does not match {want!r} of {path!r}; set model.{name}={want} "
-                          "(or start from another folder).")
-    config_from_hf(folder, seq_len=cfg.seq_len)  # raises if seq_len exceeds the positions
+            return False
+        if key in ("experts_per_token", "expert_width", "n_shared_experts", "router", "router_norm_topk",
+                   "moe_pattern") and not hf_cfg.moe:  # both dense (n_experts matched): the MoE keys are unused
+            return False
+        return True
+
+    diffs: dict[str, tuple[Any, Any]] = {}  # field -> (cfg's value, the folder's)
+    for key in (k for k in _MATCHED if k not in _SET_BY and compared(k)):
+        if getattr(cfg, key) != getattr(hf_cfg, key):
+            diffs[key] = getattr(cfg, key), getattr(hf_cfg, key)
+    try:
+        fixed = dataclasses.replace(cfg, **{k: want for k, (_, want) in diffs.items()})
+    except (TypeError, ValueError):
+        fixed = cfg
+    for key in (k for k in _MATCHED if k in _SET_BY and compared(k)):
+        if getattr(fixed, key) != getattr(hf_cfg, key):
+            name = _SET_BY[key]
+            if key == "moe_pattern":
+                diffs[name] = cfg.moe_layers, hf_cfg.moe_layers
+            else:
+                diffs[name] = getattr(cfg, key), getattr(hf_cfg, key)
+    seq_ok = True
+    try:
+        config_from_hf(folder, seq_len=cfg.seq_len)  # raises if seq_len exceeds the positions
+    except HFError:
+        if not diffs or cfg.seq_len <= hf_cfg.seq_len:  # alone, or another problem: its own sentence
+            raise
+        seq_ok = False
+    if diffs or not seq_ok:
+        items = [f"model.{k} = {got!r} (folder: {want!r})" for k, (got, want) in diffs.items()]
+        if not seq_ok:
+            items.append(f"model.seq_len = {cfg.seq_len} (folder: at most {hf_cfg.seq_len})")
+        n = len(items)
+        sets = " ".join(f"--set model.{k}={want}" for k, (_, want) in diffs.items())
+        if not seq_ok:
+            sets += f" --set model.seq_len={hf_cfg.seq_len}"
+        raise HFError(f"{n} setting{'s' if n > 1 else ''} of the model section differ{'s' if n == 1 else ''} from "
+                      f"{path!r}: {', '.join(items)}; set {'them' if n > 1 else 'it'} to the folder's "
+                      f"value{'s' if n > 1 else ''} (`{sets.strip()}`) or start from another folder.")
     return hf_cfg
 
 
@@ -662,8 +706,11 @@ def save_params(params: dict, cfg, folder: str, *, max_shard_bytes: int = MAX_SH
             size = 0
         shards[-1][name] = x
         size += x.nbytes
-    os.makedirs(parent, exist_ok=True)  # only now: every check and read has passed
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.tmp-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)  # only now: every check and read has passed
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.tmp-", dir=parent)
+    except OSError as e:
+        raise _unwritable(folder, e) from None
     try:
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config(mcfg), f, indent=2, sort_keys=True)
@@ -682,18 +729,22 @@ def save_params(params: dict, cfg, folder: str, *, max_shard_bytes: int = MAX_SH
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, os.path.join(tmp, name))
         publish(tmp, folder)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _unwritable(folder, e) from None
         raise
 
 
+def _unwritable(folder: str, e: OSError) -> HFError:
+    return HFError(f"{folder!r} cannot be written ({e.strerror or e}); choose a folder you can write to, with room "
+                   "for the weights.")
+
+
 def publish(tmp: str, target: str) -> None:
-    """Rename the finished temporary directory `tmp` to `target`, with the permissions a directory
-    made by os.makedirs would have (mkdtemp makes it private)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    os.rename(tmp, target)
+    """Rename the finished temporary directory `tmp` to `target`, it and its files with the user's
+    umask (`jaxpar.files.publish`: mkdtemp makes the folder private, safetensors its files)."""
+    _publish(tmp, target)
 
 
 def tokenizer_files(folder: str) -> dict[str, str]:

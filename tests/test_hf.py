@@ -215,16 +215,16 @@ def test_reads_only_what_each_device_holds(folders, loaded):
 def test_load_refuses_another_model(folders):
     """A training config that describes another model than the folder's is refused by name."""
     cfg = hf.config_from_hf(folders["llama"])
-    with pytest.raises(hf.HFError, match=r"model.d_ff = 128 does not match 96"):
+    with pytest.raises(hf.HFError, match=r"model.d_ff = 128 \(folder: 96\)"):
         hf.load_params(folders["llama"], Config(model=cfg).replace(model={"d_ff": 128}), None)
     with pytest.raises(hf.HFError, match=r"seq_len = 64 exceeds the 32 positions"):
         hf.load_params(folders["gpt2"], dataclasses.replace(hf.config_from_hf(folders["gpt2"]), seq_len=64), None)
     # The family options are part of the function: a Qwen 3 folder without q/k norms (they would be
     # dropped silently), or with another head_dim, is refused by key.
     qwen3 = Config(model=hf.config_from_hf(folders["qwen3"]))
-    with pytest.raises(hf.HFError, match=r"model.qk_norm = False does not match True"):
+    with pytest.raises(hf.HFError, match=r"model.qk_norm = False \(folder: True\)"):
         hf.load_params(folders["qwen3"], qwen3.replace(model={"qk_norm": False}), None)
-    with pytest.raises(hf.HFError, match=r"model.head_dim = 16 does not match 32"):
+    with pytest.raises(hf.HFError, match=r"model.head_dim = 16 \(folder: 32\)"):
         hf.load_params(folders["qwen3"], qwen3.replace(model={"head_dim": None}), None)
 
 

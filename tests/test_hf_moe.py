@@ -343,11 +343,11 @@ def test_load_refuses_another_moe(folders):
     """A training config whose experts differ from the folder's is refused by key."""
     folder = folders["qwen3_moe", "experts"]
     cfg = Config(model=hf.config_from_hf(folder, seq_len=SEQ))
-    for change, message in (({"n_experts": 8}, r"model.n_experts = 8 does not match 4"),
-                            ({"experts_per_token": 1}, r"model.experts_per_token = 1 does not match 2"),
-                            ({"expert_d_ff": 32}, r"model.expert_d_ff = 32 does not match 16"),
-                            ({"router_norm_topk": True}, r"model.router_norm_topk = True does not match False"),
-                            ({"n_experts": 0}, r"model.n_experts = 0 does not match 4")):
+    for change, message in (({"n_experts": 8}, r"model.n_experts = 8 \(folder: 4\)"),
+                            ({"experts_per_token": 1}, r"model.experts_per_token = 1 \(folder: 2\)"),
+                            ({"expert_d_ff": 32}, r"model.expert_d_ff = 32 \(folder: 16\)"),
+                            ({"router_norm_topk": True}, r"model.router_norm_topk = True \(folder: False\)"),
+                            ({"n_experts": 0}, r"model.n_experts = 0 \(folder: 4\)")):
         with pytest.raises(hf.HFError, match=message):
             hf.load_params(folder, cfg.replace(model=change), None)
     # d_ff is unused when every MLP is MoE: another value loads the same function.

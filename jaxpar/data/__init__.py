@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from jaxpar.config import JaxparError
+from jaxpar.files import publish
 from jaxpar.tokenizer import Tokenizer, load_tokenizer
 
 CHUNK_CHARS = 4096
@@ -232,8 +233,11 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", val_fracti
     dtype = token_dtype(tok.vocab_size)
 
     parent = os.path.dirname(os.path.abspath(out))
-    created = _makedirs(parent)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.tmp-", dir=parent)
+    try:
+        created = _makedirs(parent)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.tmp-", dir=parent)
+    except OSError as e:
+        raise _unwritable(out, e) from None
     try:
         counts = {s: {"file": f"{s}.bin", "n_tokens": 0, "n_chunks": 0} for s in SPLITS}
         if chat:
@@ -284,14 +288,21 @@ def prepare(inputs: Sequence[str], out: str, tokenizer: str = "byte", val_fracti
             f.write("\n")
         _publish(tmp, out)
         return meta
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         for d in reversed(created):  # only the directories this call made, and only if still empty
             try:
                 os.rmdir(d)
             except OSError:
                 break
+        if isinstance(e, OSError):  # reading the inputs raises DataErrors: this is the writing
+            raise _unwritable(out, e) from None
         raise
+
+
+def _unwritable(out: str, e: OSError) -> DataError:
+    return DataError(f"--out {out!r} cannot be written ({e.strerror or e}); pass a path in a folder you can write "
+                     "to, with room for the dataset.")
 
 
 def _assign(n: int, counts: dict, fraction: float) -> str:
@@ -360,13 +371,57 @@ def _publish(tmp: str, out: str) -> None:
         os.rename(out, os.path.join(old, "dataset"))
     elif os.path.isdir(out):
         os.rmdir(out)
-    os.rename(tmp, out)
+    publish(tmp, out)  # with the user's umask: mkdtemp made it 0700
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
 # Reading (the training side)
+
+
+TEXT_EXTENSIONS = (".txt", ".text", ".md", ".json", ".jsonl", ".csv", ".tsv", ".html", ".xml", ".yaml", ".yml")
+SNIFF_BYTES = 1024
+
+
+def text_reason(path: str) -> str | None:
+    """Why the file `path` is text rather than token ids, or None when it may be token ids.
+
+    The rule: a name ending in one of TEXT_EXTENSIONS (.txt, .md, .json, .jsonl, ...), or a first
+    KiB that decodes as UTF-8 (a character cut at the end of the KiB allowed, a BOM skipped) into
+    printable characters and whitespace only. Token files of uint16 or uint32 ids fail the sniff:
+    each id below 256 (and every uint32 id below 2^24) puts a zero byte, a control character, in
+    the file, and tokenized text has such ids (bytes, punctuation) every few tokens."""
+    name = os.path.basename(path).lower()
+    if name.endswith(TEXT_EXTENSIONS):
+        return f"its name ends in {os.path.splitext(name)[1]}"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SNIFF_BYTES)
+    except OSError:
+        return None
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.reason != "unexpected end of data" or e.start < len(head) - 3:
+            return None
+        text = head[:e.start].decode("utf-8")
+    text = text.removeprefix("\ufeff")
+    if not text.strip() or not all(c.isprintable() or c in "\t\n\r\f\v" for c in text):
+        return None
+    return f"its first {min(len(head), SNIFF_BYTES)} bytes are printable UTF-8 text"
+
+
+def refuse_text(path: str) -> None:
+    """Raise a DataError naming `jaxpar.data prepare` if the token file `path` is text (`text_reason`)."""
+    why = text_reason(path)
+    if why is None:
+        return
+    if path.endswith(EXTENSIONS):
+        fix = f"tokenize it with `python -m jaxpar.data prepare --input {path} --out DIR`"
+    else:  # prepare reads .txt and .jsonl files only
+        fix = f"rename it to a .txt file and tokenize that with `python -m jaxpar.data prepare --input FILE.txt --out DIR`"
+    raise DataError(f"data file {path!r} is text, not token ids ({why}); {fix}, then set data.source to DIR.")
 
 
 def read_meta(directory: str) -> dict:

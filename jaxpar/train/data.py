@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxpar.config import Config
-from jaxpar.data import DataError, read_meta
+from jaxpar.data import DataError, read_meta, refuse_text
 
 __all__ = ["DataError", "SyntheticSource", "TokenFileSource", "EvalWindows", "make_source", "make_eval_source",
            "batch_at", "eval_batches"]
@@ -87,11 +87,15 @@ def with_mask(tokens: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
 
 class TokenFileSource:
     """A flat binary file of token ids (uint16 or uint32, as nanoGPT and Megatron write them),
-    memory-mapped; row r of step k is a window at an offset drawn from (seed, k, r)."""
+    memory-mapped; row r of step k is a window at an offset drawn from (seed, k, r). Unless
+    check_ids is false, a file that is text (`jaxpar.data.text_reason`) is refused, naming
+    `python -m jaxpar.data prepare`."""
 
     def __init__(self, path: str, dtype: str, vocab_size: int, seq_len: int, seed: int, check_ids: bool = True,
                  mask_path: str | None = None):
         # check_ids=False when meta.json vouches for the ids (a prepared directory): no pass over the file.
+        if check_ids and os.path.isfile(path):
+            refuse_text(path)  # a .txt given as data.source: its bytes are no ids, whatever vocab_size says
         self.tokens = _open_tokens(path, dtype)
         self.mask = None if mask_path is None else _open_tokens(mask_path, "uint8")
         self.seq_len, self.seed = seq_len, seed
