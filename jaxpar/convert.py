@@ -73,7 +73,9 @@ def to_hf(out: str, *, src: str | None = None, run_dir: str | None = None) -> No
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jaxpar.convert", description=__doc__.split("\n\n")[0],
+    from jaxpar.cli import Parser, check_at_least, check_model_folder, check_new_output, check_run_dir
+
+    parser = Parser(prog="python -m jaxpar.convert", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawTextHelpFormatter)
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model folder (config.json + *.safetensors)")
@@ -84,7 +86,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=None,
                         help="context length of the run's config (with --to; default: the model's, at most 4096 "
                              "for llama)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # A path of the wrong kind, or an impossible value, is one `error:` line before anything is read.
+    check_model_folder(parser, "--from-hf", args.from_hf, "--run-dir")
+    check_run_dir(parser, "--run-dir", args.run_dir, "--from-hf")
+    check_new_output(parser, "--to", args.to)
+    check_new_output(parser, "--to-hf", args.to_hf)
+    check_at_least(parser, "--seq-len", args.seq_len, 1, "pass the run's context length, e.g. --seq-len 2048, "
+                   "or leave it out for the folder's")
+    return args
 
 
 def main(argv=None) -> int:

@@ -158,7 +158,9 @@ def _programs(cfg: Config, mesh, greedy: bool, top_k: int | None):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jaxpar.generate", description=__doc__.split("\n\n")[0])
+    from jaxpar.cli import Parser, check_at_least, check_model_folder, check_run_dir
+
+    parser = Parser(prog="python -m jaxpar.generate", description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", help="a run directory with checkpoints (jaxpar.train, or jaxpar.convert --to)")
     src.add_argument("--hf", help="a Hugging Face model folder (config.json + *.safetensors)")
@@ -170,7 +172,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model-parallel", type=int, default=1,
                         help="tensor parallelism over this many devices (default 1: one device)")
     parser.add_argument("--cpu-devices", type=int, default=None, help="simulate this many CPU devices")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # A path of the wrong kind, or an impossible value, is one `error:` line before anything is loaded.
+    check_model_folder(parser, "--hf", args.hf, "--run-dir")
+    check_run_dir(parser, "--run-dir", args.run_dir, "--hf")
+    check_at_least(parser, "--max-new-tokens", args.max_new_tokens, 1, "ask for at least one new token")
+    check_at_least(parser, "--temperature", args.temperature, 0, "pass 0 for greedy decoding, or a positive "
+                   "temperature")
+    check_at_least(parser, "--top-k", args.top_k, 1, "pass a positive k, or leave it out to sample from the "
+                   "whole vocabulary")
+    check_at_least(parser, "--model-parallel", args.model_parallel, 1, "pass 1 (one device) or more")
+    check_at_least(parser, "--cpu-devices", args.cpu_devices, 1, "pass a positive number of simulated devices, "
+                   "or leave it out")
+    return args
 
 
 def load(run_dir: str | None, hf_dir: str | None, mesh_model: int):

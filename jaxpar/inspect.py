@@ -4,7 +4,6 @@ while loops around it), plus the per-device memory XLA planned."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -548,7 +547,9 @@ def _human(n: float) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m jaxpar.inspect [--config FILE] [--set key=value]... [--json]`: compile one
     training step of a config and print its memory and collectives."""
-    parser = argparse.ArgumentParser(
+    from jaxpar.cli import Parser
+
+    parser = Parser(
         prog="python -m jaxpar.inspect",
         description="Compile one training step of a config and print its per-device memory and "
                     "its collectives: kind, mesh axes, bytes, and runs per step.")

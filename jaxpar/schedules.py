@@ -17,7 +17,12 @@ class _UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line on stderr and exit 2, from main, not argparse's usage dump
-        raise _UsageError(message)
+        raise _UsageError(f"{message}; see `{self.prog} --help`.")
+
+
+# What the drawing can write (matplotlib picks the format by the extension).
+IMAGE_EXTENSIONS = (".png", ".svg", ".svgz", ".pdf", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps",
+                    ".gif", ".avif")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,6 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(x is not None and x < 0 for x in given.values()):
             raise ScheduleError(", ".join(f"--{k}-cost {x:g}" for k, x in given.items() if x is not None and x < 0)
                                 + ": costs must be >= 0; pass non-negative times.")
+        if args.activation_bytes is not None and args.activation_bytes < 0:
+            raise ScheduleError(f"--activation-bytes {args.activation_bytes} must be >= 0 (the bytes of one "
+                                "activation message); pass a non-negative size, or leave it out.")
+        if args.png and not args.png.lower().endswith(IMAGE_EXTENSIONS):
+            raise ScheduleError(f"--png {args.png!r} is not an image file name (the drawing's format follows the "
+                                "extension: .png, .svg, .pdf, ...); pass e.g. --png schedule.png.")
         schedule = validate(build(args.schedule, args.stages, args.microbatches, args.virtual_stages))
         text = render_text(schedule, args.f_cost, args.b_cost, args.activation_bytes, i_cost=args.i_cost,
                            w_cost=args.w_cost)

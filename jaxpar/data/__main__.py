@@ -11,12 +11,13 @@ import sys
 from typing import Sequence
 
 from jaxpar import data
+from jaxpar.cli import Parser
 from jaxpar.config import JaxparError
 from jaxpar.data import expand_inputs, prepare
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxpar.data", description=data.__doc__,
+    parser = Parser(prog="python -m jaxpar.data", description=data.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("prepare", help="tokenize text files into train.bin, val.bin and meta.json")
