@@ -284,8 +284,12 @@ class TrainConfig:
     log_every: int = 10
     """Log metrics every this many steps (and at the last step)."""
     checkpoint_every: int = 0
-    """Save a checkpoint (orbax, under run_dir/checkpoints) every this many steps and at the last
-    step; 0 disables periodic checkpoints (a SIGTERM/SIGINT or a stop on NaN still saves one)."""
+    """Save a checkpoint (orbax, under run_dir/checkpoints) every this many steps; 0 disables
+    periodic checkpoints (the final step, a SIGTERM/SIGINT and a stop on NaN still save one)."""
+    save_final: bool = True
+    """Save a checkpoint of the last step when the run ends, so that `convert --to-hf`, `generate`
+    and a longer rerun read the trained weights; false saves none (an explicit opt-out: export
+    then refuses the run's older checkpoint unless told `--allow-stale`)."""
     keep_checkpoints: int = 3
     """Keep the newest this many checkpoints; older ones are deleted once a newer one is complete."""
     async_checkpoint: bool = True
@@ -342,6 +346,12 @@ class RuntimeConfig:
     buffering, collective pipelining; nothing on CPU), `none`, or flags like
     `--xla_gpu_enable_latency_hiding_scheduler=true`. Each is checked against the flags the
     installed jaxlib registers; flags already in XLA_FLAGS win (`jaxpar.xla_flags`)."""
+    step_timeout_s: float | Literal["auto", "off"] = "auto"
+    """The watchdog (`jaxpar.train.watchdog`): a step or a checkpoint save that takes longer than
+    this many seconds writes every thread's stack to run_dir/hang-<time>.txt and ends the process
+    with exit code 75 (rerun it: it resumes from the last checkpoint). The start-up (restore,
+    first compile, first step) gets at least 30 minutes. `auto`: off on CPU; on GPUs 10x the
+    median step time of steps 2-11, at least 5 minutes (30 minutes until then); `off`: never."""
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device, the MFU's denominator; null takes it from the table of
     known GPUs (A100, H100 SXM, H200: bf16, or TF32 for float32 compute), else shows no MFU."""
@@ -694,6 +704,8 @@ def validate(cfg: Config) -> None:
     _require(tr.profile_steps >= 1, f"train.profile_steps = {tr.profile_steps} must be at least 1; set the "
                                     "number of steps to trace, e.g. 3.")
     rt = cfg.runtime
+    _require(not isinstance(rt.step_timeout_s, float) or rt.step_timeout_s > 0,
+             f"runtime.step_timeout_s = {rt.step_timeout_s} must be positive seconds; set e.g. 600, or auto, or off.")
     _require(rt.cpu_devices is None or rt.cpu_devices >= 1,
              f"runtime.cpu_devices = {rt.cpu_devices} must be at least 1; set a device count, or null.")
     _require(rt.peak_tflops is None or rt.peak_tflops > 0,

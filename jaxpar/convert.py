@@ -5,6 +5,8 @@
                                   and the folder's tokenizer files
   --from-hf DIR --to-hf OUT       a round trip through jaxpar's layout
   --run-dir RUN --to-hf OUT       a run directory's newest checkpoint as a Hugging Face folder
+                                  (refused when the run logged later steps than it holds, unless
+                                  --allow-stale)
 
 Outputs are written under a temporary name and renamed: they appear whole or not at all, and an
 existing output is never overwritten. Conversion holds the whole model in host memory.
@@ -56,20 +58,25 @@ def hf_to_run(src: str, run_dir: str, seq_len: int | None = None) -> Config:
     return cfg
 
 
-def to_hf(out: str, *, src: str | None = None, run_dir: str | None = None) -> None:
-    """Write the Hugging Face folder `out` from a Hugging Face folder `src` or a run directory."""
-    from jaxpar.train.checkpoint import restore_params
+def to_hf(out: str, *, src: str | None = None, run_dir: str | None = None, allow_stale: bool = False) -> int | None:
+    """Write the Hugging Face folder `out` from a Hugging Face folder `src` or a run directory's
+    newest checkpoint (`checkpoint.newest_trained`: refused when it misses logged steps, unless
+    `allow_stale`); returns the step exported from a run directory."""
+    from jaxpar.train.checkpoint import newest_trained, restore_params
 
+    step = None
     if run_dir is not None:
         if not os.path.isdir(run_dir):
             raise HFError(f"run directory {run_dir!r} does not exist; pass a directory written by jaxpar.train "
                           "(with checkpoints) or jaxpar.convert.")
-        cfg, params = restore_params(run_dir, _on_host)
+        step = newest_trained(run_dir, allow_stale)
+        cfg, params = restore_params(run_dir, _on_host, step)
         folder = run_dir
     else:
         cfg, folder = Config(model=config_from_hf(src)), src
         params = load_params(folder, cfg, _on_host(cfg))
     save_params(params, cfg, out, extra_files=tokenizer_files(folder))
+    return step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     dst = parser.add_mutually_exclusive_group(required=True)
     dst.add_argument("--to", metavar="RUN_DIR", help="write a run directory (from --from-hf)")
     dst.add_argument("--to-hf", metavar="DIR", help="write a Hugging Face model folder")
+    parser.add_argument("--allow-stale", action="store_true",
+                        help="with --run-dir: export the newest checkpoint even if the run logged later steps")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="context length of the run's config (with --to; default: the model's, at most 4096 "
                              "for llama)")
@@ -99,6 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from jaxpar.logs import quiet_libraries
+
+    quiet_libraries()
     try:
         if args.to is not None:
             if args.from_hf is None:
@@ -110,8 +122,10 @@ def main(argv=None) -> int:
         else:
             if args.seq_len is not None:
                 raise HFError("--seq-len applies to --to RUN_DIR only; drop it with --to-hf.")
-            to_hf(args.to_hf, src=args.from_hf, run_dir=args.run_dir)
-            print(f"wrote {args.to_hf}")
+            if args.allow_stale and args.run_dir is None:
+                raise HFError("--allow-stale applies to --run-dir only; drop it with --from-hf.")
+            step = to_hf(args.to_hf, src=args.from_hf, run_dir=args.run_dir, allow_stale=args.allow_stale)
+            print(f"wrote {args.to_hf}" + ("" if step is None else f" from step {step} of {args.run_dir}"))
         return 0
     except JaxparError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -172,6 +172,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model-parallel", type=int, default=1,
                         help="tensor parallelism over this many devices (default 1: one device)")
     parser.add_argument("--cpu-devices", type=int, default=None, help="simulate this many CPU devices")
+    parser.add_argument("--allow-stale", action="store_true",
+                        help="with --run-dir: sample from the newest checkpoint even if the run logged later steps")
     args = parser.parse_args(argv)
     # A path of the wrong kind, or an impossible value, is one `error:` line before anything is loaded.
     check_model_folder(parser, "--hf", args.hf, "--run-dir")
@@ -187,19 +189,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load(run_dir: str | None, hf_dir: str | None, mesh_model: int):
-    """(Config, params on the mesh, mesh or None, folder holding any tokenizer.json)."""
+def load(run_dir: str | None, hf_dir: str | None, mesh_model: int, allow_stale: bool = False):
+    """(Config, params on the mesh, mesh or None, folder holding any tokenizer.json, the step read
+    from a run directory or None). A run directory's newest checkpoint is refused when the run
+    logged later steps than it holds, unless `allow_stale` (`checkpoint.newest_trained`)."""
     import jax
 
     from jaxpar import hf, model
     from jaxpar.mesh import make_mesh
-    from jaxpar.train.checkpoint import restore_params, run_config
+    from jaxpar.train.checkpoint import newest_trained, restore_params, run_config
 
+    step = None
     if run_dir is not None:
         if not os.path.isdir(run_dir):
             raise GenerateError(f"run directory {run_dir!r} does not exist; pass a directory written by "
                                 "jaxpar.train (with checkpoints) or jaxpar.convert.")
-        cfg = run_config(run_dir)[0]
+        step = newest_trained(run_dir, allow_stale)
+        cfg = run_config(run_dir, step)[0]
         folder = _run_tokenizer_folder(run_dir, cfg)
     else:
         folder = hf_dir
@@ -210,14 +216,14 @@ def load(run_dir: str | None, hf_dir: str | None, mesh_model: int):
                       train={"global_batch": 1}, model={"init_from": None})
     if mesh_model < 1 or mesh_model > jax.device_count():
         raise GenerateError(f"--model-parallel {mesh_model} must lie in 1 .. {jax.device_count()} (the devices "
-                            "there are).")
+                            "there are); pass a smaller --model-parallel, or --cpu-devices N to simulate N devices.")
     mesh = make_mesh(cfg, jax.devices()[:mesh_model]) if mesh_model > 1 else None
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = param_shardings(cfg, mesh) if mesh is not None else jax.tree.map(lambda _: one,
                                                                                  model.param_shapes(cfg.model))
     if run_dir is not None:
-        return cfg, restore_params(run_dir, shardings)[1], mesh, folder
-    return cfg, hf.load_params(folder, cfg, shardings), mesh, folder
+        return cfg, restore_params(run_dir, shardings, step)[1], mesh, folder, step
+    return cfg, hf.load_params(folder, cfg, shardings), mesh, folder, None
 
 
 def _run_tokenizer_folder(run_dir: str, cfg: Config) -> str:
@@ -233,13 +239,20 @@ def _run_tokenizer_folder(run_dir: str, cfg: Config) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from jaxpar.logs import quiet_libraries
+
+    quiet_libraries()
     try:
+        if args.allow_stale and args.run_dir is None:
+            raise GenerateError("--allow-stale applies to --run-dir only; drop it with --hf.")
         from jaxpar.mesh import use_cpu_devices
 
         use_cpu_devices(args.cpu_devices)
         from jaxpar.tokenizer import byte_tokenizer, load_tokenizer
 
-        cfg, params, mesh, folder = load(args.run_dir, args.hf, args.model_parallel)
+        cfg, params, mesh, folder, step = load(args.run_dir, args.hf, args.model_parallel, args.allow_stale)
+        if step is not None:  # stderr: stdout is the text
+            print(f"sampling from step {step} of {args.run_dir}", file=sys.stderr)
         tok = load_tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else byte_tokenizer()
         ids = tok.prompt_ids(args.prompt)
         new = generate(cfg, params, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed, mesh,

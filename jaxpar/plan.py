@@ -389,6 +389,9 @@ def _write_config(cfg: Config, path: str) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write("# Written by python -m jaxpar.plan: the fastest layout it predicts that fits.\n")
             f.write(to_yaml(cfg))
+        from jaxpar.files import apply_umask
+
+        apply_umask(tmp)  # mkstemp's file is 0600; the config is the user's, readable as open() would make it
         os.replace(tmp, path)
     except OSError as e:
         os.unlink(tmp)

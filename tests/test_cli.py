@@ -82,7 +82,8 @@ def test_tiny_run_writes_config_and_metrics(tmp_path):
 
     assert proc.returncode == 0, f"expected exit 0, got {proc.returncode}; stderr:\n{proc.stderr}"
     assert "Traceback" not in proc.stderr
-    assert sorted(os.listdir(run_dir)) == ["config.yaml", "metrics.jsonl"]
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+    assert os.listdir(run_dir / "checkpoints") == ["4"], "the last step is saved (train.save_final)"
     saved = load_config(run_dir / "config.yaml")
     assert saved == load_config(None, [*TINY, f"train.run_dir={run_dir}"]), "config.yaml is not the run's config"
 

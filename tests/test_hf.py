@@ -605,3 +605,30 @@ def test_finetune_from_hf_lowers_validation_loss(family, folders, tmp_path, caps
     assert np.abs(ours - theirs).max() < 1e-4, np.abs(ours - theirs).max()  # float32 rounding (~1e-6)
     assert not np.allclose(ours, np.asarray(model.apply(cfg.model, want, jnp.asarray(ids)))[..., :VOCAB]), \
         "the export should hold the trained weights, not the starting ones"
+
+
+def test_cli_round_trip_exports_the_trained_weights(folders, tmp_path, capsys):
+    """README's fine-tuning round trip through the commands, with no checkpoint key set:
+    `convert --from-hf` -> `train --config <run>/config.yaml` -> `convert --run-dir --to-hf`. The
+    exported model's logits (transformers') are the trained model's, not the imported folder's:
+    the run saves its last step (train.save_final) and the export says which step it read."""
+    from jaxpar import convert
+    from jaxpar.train.__main__ import main as train_main
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert convert.main(["--from-hf", folders["llama"], "--to", str(run), "--seq-len", str(SEQ)]) == 0
+    assert train_main(["--config", str(run / "config.yaml"), "--set", "train.steps=3", "--set", "train.lr=1e-2",
+                       "--set", "train.warmup_steps=1", "--set", "train.global_batch=8"]) == 0
+    capsys.readouterr()
+    assert convert.main(["--run-dir", str(run), "--to-hf", str(out)]) == 0
+    assert f"wrote {out} from step 3 of {run}" in capsys.readouterr().out
+    ids = torch.tensor(np.random.default_rng(3).integers(0, VOCAB, (2, SEQ)))
+    with torch.no_grad():
+        exported = _torch_model(str(out))(ids).logits.numpy()
+        imported = _torch_model(folders["llama"])(ids).logits.numpy()
+    from jaxpar.train.checkpoint import restore_params
+
+    cfg, trained = restore_params(str(run), _one_device)
+    ours = np.asarray(model.apply(cfg.model, trained, jnp.asarray(ids.numpy())))[..., :VOCAB]
+    assert np.abs(ours - exported).max() < 1e-4, np.abs(ours - exported).max()  # float32 rounding (~1e-6)
+    assert np.abs(exported - imported).max() > 1e-2, "the export holds the imported weights, not the trained ones"

@@ -396,3 +396,18 @@ def test_outputs_get_the_umask(tmp_path, umask_022):
 
     hf_to_run(str(tmp_path / "hf"), str(tmp_path / "run"))
     _assert_umask_modes(tmp_path / "run")
+
+
+def test_train_argument_mistake_is_one_line(capsys):
+    from jaxpar.train.__main__ import main
+
+    _exit_2(main, ["--bogus"])
+    assert _one_error_line(capsys) == ("error: unrecognized arguments: --bogus; see `python -m jaxpar.train "
+                                       "--help`.")
+
+
+def test_plan_write_config_gets_the_umask(tmp_path, umask_022):
+    from jaxpar.plan import _write_config
+
+    _write_config(load_config(None), str(tmp_path / "best.yaml"))
+    assert stat.S_IMODE(os.stat(tmp_path / "best.yaml").st_mode) == 0o644

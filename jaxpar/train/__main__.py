@@ -2,7 +2,11 @@
 
 Exit codes: 0 done (or stopped by SIGTERM/SIGINT with a checkpoint saved), 2 a user error
 (config, mesh, data, checkpoint: one `error:` line, nothing written), 3 stopped on a non-finite
-loss or gradient with train.on_nan = stop (the last good state saved)."""
+loss or gradient with train.on_nan = stop (the last good state saved), 75 a hung step or save
+ended by the watchdog (runtime.step_timeout_s; rerun to resume from the last checkpoint).
+
+On a terminal a live bar shows the progress; otherwise (a batch job's log) one line per logged
+step, flushed as written."""
 
 from __future__ import annotations
 
@@ -17,7 +21,10 @@ from jaxpar.config import JaxparError, load_config
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jaxpar.train", description=__doc__)
+    from jaxpar.cli import Parser  # a flag's mistake is one `error:` line and exit 2, as every other
+
+    parser = Parser(prog="python -m jaxpar.train", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file (default: the bundled defaults)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set model.d_model=256 (repeatable)")
@@ -102,7 +109,8 @@ def main(argv=None) -> int:
         use_cpu_devices(cfg.runtime.cpu_devices, cfg)
         import jax
 
-        from jaxpar.train import efficiency
+        from jaxpar import logs
+        from jaxpar.train import progress as lines
         from jaxpar.train.data import make_source
         from jaxpar.train.loop import TrainingStopped, _tensorboard_writer, check_run_dir, train
 
@@ -116,44 +124,43 @@ def main(argv=None) -> int:
         if is_main:
             console.print(summary(cfg, mesh), highlight=False, soft_wrap=True)
             console.print(f"xla     {xla.describe()}", highlight=False, soft_wrap=True)
-        logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries (orbax) stay quiet
-        logging.getLogger("jaxpar").setLevel(logging.INFO if is_main else logging.WARNING)
+        # A terminal gets a live bar and jaxpar's other lines above it; a batch job's log (stdout not
+        # a terminal: SLURM, nohup, `| tee`) one full line per logged step instead.
+        live = is_main and console.is_terminal
+        logs.for_cli(is_main, (lambda text: console.print(text, highlight=False, soft_wrap=True)) if live else None)
+        if live:
+            logging.getLogger(lines.log.name).setLevel(logging.WARNING)  # the bar shows them
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}")]
         if cfg.train.eval_every > 0:
             columns.append(TextColumn("val {task.fields[val]}"))
         if cfg.model.moe:  # the routers: losses and the extreme expert loads (1 = the mean load)
             columns.append(TextColumn("moe {task.fields[moe]}"))
         progress = Progress(*columns, TextColumn("{task.fields[tps]} tok/s"), TextColumn("{task.fields[eff]}"),
-                            TimeRemainingColumn(), console=console, disable=not is_main)
+                            TimeRemainingColumn(), console=console, disable=not live)
         with progress:
             task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-", val="-", eff="", moe="-")
 
             def show(rec: dict) -> None:
-                val = {"val": f"{rec['val_loss']:.4f} (ppl {rec['val_ppl']:.2f})"} if "val_loss" in rec else {}
-                if "moe_aux_loss" in rec:
-                    dropped = f" dropped {rec['moe_dropped']:.1%}" if "moe_dropped" in rec else ""
-                    val["moe"] = (f"aux {rec['moe_aux_loss']:.3f} z {rec['moe_z_loss']:.3f} load "
-                                  f"{rec['moe_min_load']:.2f}-{rec['moe_max_load']:.2f}{dropped}")
-                progress.update(task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
-                                tps=f"{rec['tokens_per_s']:,.0f}", eff=efficiency.describe(rec), **val)
+                f = lines.fields(rec)
+                progress.update(task, completed=rec["step"], loss=f["loss"], tps=f["tps"], eff=f["eff"],
+                                **{k: f[k] for k in ("val", "moe") if k in f})
 
             try:
-                records = train(cfg, mesh=mesh, callback=show)
+                records = train(cfg, mesh=mesh, callback=show if live else None)
             except TrainingStopped as e:
                 progress.stop()
                 print(f"error: {e}", file=sys.stderr)
                 return 3
-        if is_main:
-            if records.stopped is not None:
-                console.print(f"stopped by {records.stopped}: checkpoint saved in {records.checkpoint}; run the same "
-                              "command to resume", highlight=False, soft_wrap=True)
-            elif records:
+        if is_main and records.stopped is None:  # a stop says where its checkpoint is (the loop's line)
+            saved = f"; checkpoint in {records.checkpoint}" if records.checkpoint else ""
+            if records:
                 resumed = f" (resumed from step {records.resumed_from})" if records.resumed_from is not None else ""
                 console.print(f"done{resumed}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; "
-                              f"metrics in {cfg.train.run_dir}/metrics.jsonl", highlight=False, soft_wrap=True)
+                              f"metrics in {cfg.train.run_dir}/metrics.jsonl{saved}", highlight=False, soft_wrap=True)
             else:
                 console.print(f"nothing to do: the checkpoint in {cfg.train.run_dir} is already at step "
                               f"{records.resumed_from} of {cfg.train.steps}", highlight=False, soft_wrap=True)
+        sys.stdout.flush()
         return 0
     except JaxparError as e:
         print(f"error: {e}", file=sys.stderr)  # one line, never wrapped: scripts grep for it

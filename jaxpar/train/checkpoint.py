@@ -254,6 +254,32 @@ def _save_registry(replica_parallel: bool = False):
         (jax.Array, th.ArrayHandler(use_replica_parallel=replica_parallel, array_metadata_store=store)))
 
 
+def _is_aborted_read(unraisable) -> bool:
+    """The error tensorstore's read callbacks raise when they complete after orbax's restore failed
+    on another array and closed its event loop: `RuntimeError('Event loop is closed')`, reported
+    with no object. Harmless: the failed restore has been handled (`restore`)."""
+    e = unraisable.exc_value
+    return unraisable.object is None and isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
+def _ignore_reads_after_a_failed_restore() -> None:
+    """A damaged checkpoint costs one warning line: drop the 30-50 `Event loop is closed`
+    tracebacks that the failed read's remaining callbacks would print (Python's unraisable hook)
+    and pass every other unraisable error on to the hook installed before. Installed once."""
+    import sys
+
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxpar", False):
+        return
+
+    def hook(unraisable):
+        if not _is_aborted_read(unraisable):
+            previous(unraisable)
+
+    hook._jaxpar = True
+    sys.unraisablehook = hook
+
+
 class Checkpoints:
     """Saving and restoring the train state of one run (one `Program`)."""
 
@@ -402,6 +428,8 @@ class Checkpoints:
         import orbax.checkpoint as ocp
         from etils import epath
 
+        _ignore_reads_after_a_failed_restore()
+
         handler = ocp.StandardCheckpointHandler()
         try:
             return handler.restore(epath.Path(path) / "state", args=ocp.args.StandardRestore(abstract))
@@ -424,6 +452,37 @@ class Checkpoints:
             multihost_utils.sync_global_devices("jaxpar: corrupt checkpoint moved aside")
 
 
+def logged_steps(path: str) -> list[int]:
+    """The steps recorded in a metrics.jsonl (none if it does not exist; unreadable lines skipped)."""
+    if not os.path.exists(path):
+        return []
+    steps = []
+    with open(path) as f:
+        for line in f:
+            try:
+                steps.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return steps
+
+
+def newest_trained(run_dir: str, allow_stale: bool = False) -> int:
+    """The step of run_dir's newest checkpoint, for export and generation; refused when the run's
+    metrics.jsonl logs later steps (the checkpoint misses trained work) unless `allow_stale`."""
+    steps = saved_steps(run_dir)
+    if not steps:
+        raise CheckpointError(f"run_dir {run_dir!r} holds no checkpoint ({directory(run_dir)!r} is empty or missing); "
+                              "train it to the end (the last step is saved) or pass a run_dir that has one.")
+    logged = max(logged_steps(os.path.join(run_dir, "metrics.jsonl")), default=0)
+    if logged > steps[-1] and not allow_stale:
+        raise CheckpointError(
+            f"run_dir {run_dir!r}: its newest checkpoint is of step {steps[-1]} but its metrics.jsonl logs training "
+            f"up to step {logged}, so the weights of the last {logged - steps[-1]} steps were never saved; rerun its "
+            "train command to resume and save them, or pass --allow-stale to use step "
+            f"{steps[-1]} anyway.")
+    return steps[-1]
+
+
 def run_config(run_dir: str, step: int | None = None) -> tuple[Config, int]:
     """The config a run's checkpoint (default: the newest) was saved with, and its step."""
     from jaxpar.config import from_dict
@@ -431,7 +490,7 @@ def run_config(run_dir: str, step: int | None = None) -> tuple[Config, int]:
     steps = saved_steps(run_dir)
     if not steps:
         raise CheckpointError(f"run_dir {run_dir!r} holds no checkpoint ({directory(run_dir)!r} is empty or missing); "
-                              "train with train.checkpoint_every > 0, or pass a run_dir that has one.")
+                              "train it to the end (the last step is saved) or pass a run_dir that has one.")
     step = steps[-1] if step is None else step
     if step not in steps:
         raise CheckpointError(f"run_dir {run_dir!r} has no checkpoint of step {step} (it has {steps}); pick one of those.")

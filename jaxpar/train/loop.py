@@ -5,14 +5,24 @@ step has been dispatched. Only process 0 writes `config.yaml` and `metrics.jsonl
 takes part in saving checkpoints (each writes the shards its devices hold).
 
 Faults:
+- The run's end: a checkpoint of the last step is saved (`train.save_final`, default on), so
+  export, generation and a longer rerun read the trained weights.
 - SIGTERM / SIGINT: the step in flight finishes, a checkpoint is saved, `train` returns with
-  `History.stopped` set (the CLI prints where the checkpoint is and exits 0). A second SIGINT
+  `History.stopped` set (one line says where the checkpoint is; the CLI exits 0). A second SIGINT
   interrupts at once.
+- A hang (a lost peer, a stalled collective): the watchdog (`runtime.step_timeout_s`,
+  `jaxpar.train.watchdog`) dumps every thread's stack to run_dir/hang-<time>.txt and exits 75.
 - A non-finite loss or gradient: the update is dropped inside the step (`train.on_nan`); `skip`
   goes on and counts it (`skipped_steps` in the metrics); `stop` saves the state before the bad
   step and raises `TrainingStopped`.
 - Resuming (`train.resume: auto`) takes the newest checkpoint in run_dir; a damaged one is moved
-  aside with a warning and the previous one is used (`jaxpar.train.checkpoint`).
+  aside with a warning and the previous one is used (`jaxpar.train.checkpoint`). The records of
+  metrics.jsonl after the resumed step move to metrics.rewound.jsonl (the resumed run logs those
+  steps again), and new records are appended. A fresh run into a run_dir whose metrics.jsonl
+  holds records but which has no checkpoint is refused: nothing already written is replaced.
+
+Progress: each logged record is also one line on the `jaxpar.progress` logger (`progress.line`):
+what a batch job's log and the Python API show (the CLI shows a live bar on a terminal instead).
 
 Efficiency: each record carries model TFLOP/s per device and MFU (`train.efficiency`), and where
 the host spent the step time: `data_time_s` building batches, `dispatch_time_s` in the step call
@@ -39,10 +49,12 @@ from jax.sharding import Mesh
 
 from jaxpar.config import Config, ConfigError, to_yaml
 from jaxpar.mesh import start_processes, use_cpu_devices
-from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train import progress
+from jaxpar.train.checkpoint import Checkpoints, logged_steps, saved_steps
 from jaxpar.train.data import batch_at, eval_batches, make_eval_source, make_source
 from jaxpar.train.efficiency import Efficiency
 from jaxpar.train.step import build
+from jaxpar.train.watchdog import Watchdog
 from jaxpar.xla_flags import apply as apply_xla_flags
 
 log = logging.getLogger("jaxpar")
@@ -68,7 +80,8 @@ class History(list):
 
 
 def check_run_dir(cfg: Config) -> None:
-    """train.run_dir must be a directory that exists or can be created, and be writable."""
+    """train.run_dir must be a directory that exists or can be created, and be writable; and a run
+    that would start afresh there must not replace the metrics of an earlier run."""
     d = cfg.train.run_dir
     if os.path.exists(d) and not os.path.isdir(d):
         raise ConfigError(f"train.run_dir = {d!r} is an existing file, not a directory; "
@@ -82,6 +95,13 @@ def check_run_dir(cfg: Config) -> None:
     if not os.access(existing, os.W_OK):
         raise ConfigError(f"train.run_dir = {d!r} is not writable ({existing!r} refuses writes); "
                           "set train.run_dir to a writable directory.")
+    metrics = os.path.join(d, "metrics.jsonl")
+    steps = logged_steps(metrics)
+    if steps and not saved_steps(d):  # (with checkpoints and resume = never: Checkpoints.check_resume_rules)
+        raise ConfigError(
+            f"train.run_dir = {d!r} holds the metrics of an earlier run ({len(steps)} records, up to step {max(steps)}) "
+            "but no checkpoint to resume from, and a fresh run would replace them; choose a new train.run_dir, "
+            f"or move {metrics} away to start afresh there.")
 
 
 class _StopSignals:
@@ -101,7 +121,6 @@ class _StopSignals:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
         self.received = signal.Signals(signum).name
-        log.warning("%s received: finishing the current step, then saving a checkpoint", self.received)
 
     def __exit__(self, *exc):
         for sig, handler in self._old.items():
@@ -117,15 +136,27 @@ class _StopSignals:
         return (self.received or "SIGTERM") if np.any(flags) else None
 
 
-def _rewrite_metrics(path: str, upto: int) -> None:
-    """Keep the records of steps <= upto (a resumed run rewrites what followed its checkpoint)."""
+REWOUND = "metrics.rewound.jsonl"
+
+
+def _rewind_metrics(path: str, upto: int) -> int:
+    """Keep the records of steps <= upto in `path` and append the later ones (which a run resumed
+    from step `upto` logs again) to metrics.rewound.jsonl beside it; returns how many moved."""
     if not os.path.exists(path):
-        return
+        return 0
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= upto]
+        lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
+    later = [line for line in lines if json.loads(line).get("step", 0) > upto]
+    if not later:
+        return 0
+    with open(os.path.join(os.path.dirname(path), REWOUND), "a") as f:
+        f.writelines(later)
+        f.flush()
+        os.fsync(f.fileno())
     with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
+        f.writelines(line for line in lines if json.loads(line).get("step", 0) <= upto)
     os.replace(path + ".tmp", path)
+    return len(later)
 
 
 def _tensorboard_writer():
@@ -160,8 +191,10 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
     `data_time_s`, `dispatch_time_s` and `device_wait_s` (per step, over the steps since the last
     record; the rest of step_time_s is other host work: records, checkpoints); with
     evaluation, `val_loss` and `val_ppl` at eval steps. `callback` is called with each record as
-    it is logged (the CLI's progress bar).
+    it is logged (the CLI's progress bar); each record is also logged as one line
+    (`jaxpar.train.progress`).
     """
+    progress.default_handler()
     xla = apply_xla_flags(cfg)  # before anything can start a backend
     if xla.added:
         log.info("xla flags: %s", xla.describe())
@@ -189,25 +222,45 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
         os.makedirs(tr.run_dir, exist_ok=True)
         with open(os.path.join(tr.run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
-        if resume_step is not None:
-            _rewrite_metrics(metrics_path, resume_step)
-        metrics_file = open(metrics_path, "a" if resume_step is not None else "w")
 
     history = History()
-    events = None
     t = time.perf_counter()
-    if resume_step is not None:
-        state, history.resumed_from = ckpt.restore(program, resume_step)
-        if writer and history.resumed_from != resume_step:
-            _rewrite_metrics(metrics_path, history.resumed_from)
-        log.info("resumed from %s", os.path.join(ckpt.dir, str(history.resumed_from)))
-        if tr.on_nan == "stop" and int(jax.device_get(state.skipped)) > 0:
-            # Stop mode freezes on skipped > 0; a count carried over from a skip-mode run restarts.
-            log.info("train.on_nan = stop: skipped_steps (%d from the earlier run) restarts at 0",
-                     int(jax.device_get(state.skipped)))
-            state = state._replace(skipped=state.skipped * 0)
-    else:
-        state = _init_state(cfg, program)
+    watchdog = Watchdog(cfg.runtime.step_timeout_s, program.mesh.devices.flat[0].platform, tr.run_dir,
+                        writer=writer)
+    with watchdog:
+        watchdog.arm("the start-up (restore, first compile, first step)", startup=True)
+        if resume_step is not None:
+            state, history.resumed_from = ckpt.restore(program, resume_step)
+            log.info("resumed from %s", os.path.join(ckpt.dir, str(history.resumed_from)))
+            if writer:
+                moved = _rewind_metrics(metrics_path, history.resumed_from)
+                if moved:
+                    log.info("metrics.jsonl: %d records after step %d moved to %s (those steps run again)",
+                             moved, history.resumed_from, REWOUND)
+            if tr.on_nan == "stop" and int(jax.device_get(state.skipped)) > 0:
+                # Stop mode freezes on skipped > 0; a count carried over from a skip-mode run restarts.
+                log.info("train.on_nan = stop: skipped_steps (%d from the earlier run) restarts at 0",
+                         int(jax.device_get(state.skipped)))
+                state = state._replace(skipped=state.skipped * 0)
+        else:
+            state = _init_state(cfg, program)
+        if writer:  # appended to: a fresh run reaches here only without earlier records (check_run_dir)
+            metrics_file = open(metrics_path, "a")
+        try:
+            return _run(cfg, program, ckpt, state, history, watchdog, metrics_file, SummaryWriter, eval_source,
+                        source, callback, t)
+        finally:
+            if metrics_file is not None:
+                metrics_file.close()
+
+
+def _run(cfg, program, ckpt, state, history, watchdog, metrics_file, SummaryWriter, eval_source, source,
+         callback, t) -> History:
+    """The steps of `train` from `state` on (compiling first), with its records, evaluations,
+    checkpoints and faults."""
+    tr = cfg.train
+    writer = jax.process_index() == 0
+    events = None
     if writer and SummaryWriter is not None:  # a resumed run purges the events after its checkpoint
         events = SummaryWriter(os.path.join(tr.run_dir, "tensorboard"), purge_step=(
             None if history.resumed_from is None else history.resumed_from + 1))
@@ -263,28 +316,48 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
                 if key != "step":
                     events.add_scalar(key, value, step)
             events.flush()
+        progress.log.info(progress.line(rec, tr.steps, step_time * (tr.steps - step)))
         if callback is not None:
             callback(rec)
+
+    def save(state, why: str) -> str:
+        watchdog.arm(f"the checkpoint save of step {int(jax.device_get(state.step))} ({why})")
+        try:
+            return ckpt.save(state, program.mesh)
+        finally:
+            watchdog.disarm()
 
     def nan_stop(step: int) -> None:
         """Step `step` was not finite: the state froze before it (train.on_nan = stop)."""
         # The frozen state is the state before step `step`; its `skipped` was 0 then (stop mode).
-        history.checkpoint = ckpt.save(state._replace(skipped=state.skipped * 0), program.mesh)
-        ckpt.close()
+        history.checkpoint = save(state._replace(skipped=state.skipped * 0), "stopped on a non-finite step")
+        close()
         raise TrainingStopped(
             f"step {step} had a non-finite loss or gradient; the last good state (after step {step - 1}) is "
             f"saved in {history.checkpoint}; inspect the data and learning rate, then resume from it "
             "(train.resume=auto), or set train.on_nan=skip to drop such steps.", history.checkpoint)
+
+    def close() -> None:
+        """Finish the checkpoint writes in flight (under the watchdog: a stalled write is a hang too)."""
+        watchdog.arm("finishing the checkpoint writes")
+        ckpt.close()
+        watchdog.disarm()
 
     pending = None  # (step, metrics, logged?) of the step dispatched before
     # Steps profile_start .. profile_start + profile_steps - 1 (numbered from 1) run under a trace.
     trace = (None if tr.profile_start is None else
              (tr.profile_start, min(tr.profile_start + tr.profile_steps - 1, tr.steps)))
     tracing = False
+    tick = time.perf_counter()
     try:
         with _StopSignals() as signals:
             for k in range(first, tr.steps):
                 done = k + 1
+                now = time.perf_counter()
+                if k > first:  # the host's time for the last step (the first one compiles and warms up)
+                    watchdog.timed(now - tick)
+                tick = now
+                watchdog.arm(f"step {done}", startup=k == first)
                 if trace is not None and done == trace[0]:
                     jax.profiler.start_trace(os.path.join(tr.run_dir, "profile"))
                     tracing = True
@@ -320,8 +393,13 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
                     pending = None
                 else:
                     pending = (done, metrics, log_now)
-                if tr.checkpoint_every > 0 and (done % tr.checkpoint_every == 0 or is_last):
-                    history.checkpoint = ckpt.save(state, program.mesh)
+                if is_last and pending is not None:  # the final save below stores a finite state
+                    p_step, p_metrics, _ = pending
+                    if tr.on_nan == "stop" and int(wait(p_metrics["skipped_steps"])) > 0:
+                        nan_stop(p_step)
+                if (tr.checkpoint_every > 0 and done % tr.checkpoint_every == 0) or (is_last and tr.save_final):
+                    history.checkpoint = save(state, "the last step" if is_last else "train.checkpoint_every")
+                watchdog.disarm()
                 stop = signals.agreed()
                 if stop is not None and not is_last:
                     history.stopped = stop
@@ -332,15 +410,14 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
                     nan_stop(p_step)
                 record(p_step, p_metrics, {})
             if history.stopped is not None:
-                history.checkpoint = ckpt.save(state, program.mesh)
-                log.warning("stopped by %s after step %d; checkpoint saved in %s", history.stopped,
-                            int(jax.device_get(state.step)), history.checkpoint)
-        ckpt.close()
+                history.checkpoint = save(state, f"stopped by {history.stopped}")
+                log.warning("stopped by %s after step %d: checkpoint saved in %s; run the same command to resume",
+                            history.stopped, int(jax.device_get(state.step)), history.checkpoint)
+        close()
     finally:
+        watchdog.disarm()
         if tracing:
             jax.profiler.stop_trace()
-        if metrics_file is not None:
-            metrics_file.close()
         if events is not None:
             events.close()
     return history
