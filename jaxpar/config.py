@@ -18,13 +18,7 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
-
-class JaxparError(Exception):
-    """A mistake the user can fix (config, mesh, data, checkpoint); the CLI exits 2 on it."""
-
-
-class ConfigError(JaxparError, ValueError):
-    """An invalid configuration value, key or file."""
+from jaxpar.errors import ConfigError, JaxparError  # noqa: F401 (re-exported: `jaxpar.config.JaxparError`)
 
 
 @dataclasses.dataclass(frozen=True)

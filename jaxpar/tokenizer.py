@@ -10,7 +10,7 @@ import dataclasses
 import os
 from typing import Callable, Sequence
 
-from jaxpar.config import JaxparError
+from jaxpar.errors import JaxparError
 
 
 class TokenizerError(JaxparError):

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from jaxpar.config import JaxparError
+from jaxpar.errors import JaxparError
 from jaxpar.files import publish
 from jaxpar.tokenizer import Tokenizer, load_tokenizer
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from jaxpar import data
 from jaxpar.cli import Parser
-from jaxpar.config import JaxparError
+from jaxpar.errors import JaxparError
 from jaxpar.data import expand_inputs, prepare
 
 

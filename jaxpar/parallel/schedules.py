@@ -47,7 +47,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from jaxpar.config import JaxparError
+from jaxpar.errors import JaxparError
 
 SCHEDULES = ("gpipe", "1f1b", "1f1b_lockstep", "1f1b_one_action", "interleaved_1f1b", "zb_h1")
 KINDS = ("F", "B", "I", "W")
