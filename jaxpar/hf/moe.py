@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar import hf
 from jaxpar.config import ModelConfig
+from jaxpar.hf.common import Entry, HFError, refuse
 
 FAMILIES = ("mixtral", "qwen3_moe")
 KINDS = ("experts_t", "fused_t")
@@ -38,7 +38,7 @@ def config_fields(hf_cfg: dict, path: str, arch: str, i, number) -> dict[str, An
         key = "num_experts" if hf_cfg.get("num_experts") is not None else "num_local_experts"
         n_experts, width = i(key), i("moe_intermediate_size")
         norm = hf_cfg.get("norm_topk_prob", False)
-        hf._refuse(isinstance(norm, bool), path, f"norm_topk_prob = {norm!r}", "norm_topk_prob must be true or false")
+        refuse(isinstance(norm, bool), path, f"norm_topk_prob = {norm!r}", "norm_topk_prob must be true or false")
         pattern = _qwen_pattern(hf_cfg, path, i("num_hidden_layers"))
         if pattern != "all":  # dense layers among the MoE ones: an MLP of intermediate_size
             return dict(n_experts=n_experts, experts_per_token=i("num_experts_per_tok"), expert_d_ff=width,
@@ -55,9 +55,9 @@ def _qwen_pattern(hf_cfg: dict, path: str, n_layers: int) -> str:
     it is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0), where jaxpar's patterns
     (K dense layers, then every N-th MoE) can say it."""
     step, dense = hf_cfg.get("decoder_sparse_step", 1), hf_cfg.get("mlp_only_layers") or []
-    hf._refuse(isinstance(step, int) and step >= 1, path, f"decoder_sparse_step = {step!r}",
+    refuse(isinstance(step, int) and step >= 1, path, f"decoder_sparse_step = {step!r}",
                "decoder_sparse_step must be a positive integer")
-    hf._refuse(isinstance(dense, list) and all(isinstance(x, int) for x in dense), path,
+    refuse(isinstance(dense, list) and all(isinstance(x, int) for x in dense), path,
                f"mlp_only_layers = {dense!r}", "mlp_only_layers must be a list of layer indices")
     moe = {i for i in range(n_layers) if i not in dense and (i + 1) % step == 0}
     for K in range(n_layers):
@@ -65,7 +65,7 @@ def _qwen_pattern(hf_cfg: dict, path: str, n_layers: int) -> str:
             if (n_layers - K) % N == 0 and moe == {i for i in range(K, n_layers) if (i - K + 1) % N == 0}:
                 return "all" if (K, N) == (0, 1) else ",".join(
                     ([f"first_dense:{K}"] if K else []) + ([f"every:{N}"] if N > 1 else []))
-    hf._refuse(False, path, f"decoder_sparse_step = {step} with mlp_only_layers = {dense}",
+    refuse(False, path, f"decoder_sparse_step = {step} with mlp_only_layers = {dense}",
                "jaxpar's model.moe_layers says K dense layers then every N-th layer MoE, which cannot make these "
                f"MoE layers ({sorted(moe)}); use a checkpoint whose MoE layers follow such a pattern")
     raise AssertionError
@@ -74,20 +74,21 @@ def _qwen_pattern(hf_cfg: dict, path: str, n_layers: int) -> str:
 def family(cfg: ModelConfig) -> str:
     """The HF model_type an MoE model exports as (qwen3_moe with q/k norms, else mixtral); raises
     HFError for options neither family has."""
-    def refuse(ok: bool, what: str, fix: str) -> None:
+    def refuse_family(ok: bool, what: str, fix: str) -> None:
         if not ok:
-            raise hf.HFError(f"{what} has no Hugging Face MoE family jaxpar writes (mixtral, qwen3_moe); {fix}.")
+            raise HFError(f"{what} has no Hugging Face MoE family jaxpar writes (mixtral, qwen3_moe); {fix}.")
 
-    refuse(cfg.qk_norm or not cfg.mixed, f"model.moe_layers = {cfg.moe_layers} without model.qk_norm",
-           "Mixtral's every layer is MoE: export a model with moe_layers=all, or qk_norm=true (qwen3_moe)")
-    refuse(cfg.n_shared_experts == 0, f"model.n_shared_experts = {cfg.n_shared_experts}",
-           "neither has shared experts: export a model with n_shared_experts=0")
-    refuse(cfg.router == "softmax", f"model.router = {cfg.router}",
-           "both route by softmax: export a model with router=softmax")
-    refuse(not cfg.qkv_bias, "model.qkv_bias with model.n_experts",
-           "neither has q, k, v biases: export a model with qkv_bias=false")
-    refuse(cfg.qk_norm or cfg.router_norm_topk, "model.router_norm_topk = false without model.qk_norm",
-           "Mixtral always renormalises the top-k weights: set router_norm_topk=true, or qk_norm=true (qwen3_moe)")
+    refuse_family(cfg.qk_norm or not cfg.mixed, f"model.moe_layers = {cfg.moe_layers} without model.qk_norm",
+                  "Mixtral's every layer is MoE: export a model with moe_layers=all, or qk_norm=true (qwen3_moe)")
+    refuse_family(cfg.n_shared_experts == 0, f"model.n_shared_experts = {cfg.n_shared_experts}",
+                  "neither has shared experts: export a model with n_shared_experts=0")
+    refuse_family(cfg.router == "softmax", f"model.router = {cfg.router}",
+                  "both route by softmax: export a model with router=softmax")
+    refuse_family(not cfg.qkv_bias, "model.qkv_bias with model.n_experts",
+                  "neither has q, k, v biases: export a model with qkv_bias=false")
+    refuse_family(cfg.qk_norm or cfg.router_norm_topk, "model.router_norm_topk = false without model.qk_norm",
+                  "Mixtral always renormalises the top-k weights: set router_norm_topk=true, or qk_norm=true "
+                  "(qwen3_moe)")
     return "qwen3_moe" if cfg.qk_norm else "mixtral"
 
 
@@ -112,15 +113,15 @@ def entries(cfg: ModelConfig, fused: bool) -> list:
     D, E, F = cfg.d_model, cfg.n_experts, cfg.expert_width
     fam = family(cfg)
     m = "model.layers.{i}.mlp." if fused or fam == "qwen3_moe" else "model.layers.{i}.block_sparse_moe."
-    router = hf.Entry(("blocks", "mlp", "router"), m + "gate.weight", "t", (E, D))
+    router = Entry(("blocks", "mlp", "router"), m + "gate.weight", "t", (E, D))
     if fused:
-        return [router, hf.Entry(("blocks", "mlp", "w_gate"), m + "experts.gate_up_proj", "fused_t", (E, 2 * F, D)),
-                hf.Entry(("blocks", "mlp", "w_up"), m + "experts.gate_up_proj", "fused_t", (E, 2 * F, D), F),
-                hf.Entry(("blocks", "mlp", "w_down"), m + "experts.down_proj", "fused_t", (E, D, F))]
+        return [router, Entry(("blocks", "mlp", "w_gate"), m + "experts.gate_up_proj", "fused_t", (E, 2 * F, D)),
+                Entry(("blocks", "mlp", "w_up"), m + "experts.gate_up_proj", "fused_t", (E, 2 * F, D), F),
+                Entry(("blocks", "mlp", "w_down"), m + "experts.down_proj", "fused_t", (E, D, F))]
     gate, up, down = ("w1", "w3", "w2") if fam == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    return [router, hf.Entry(("blocks", "mlp", "w_gate"), m + f"experts.{{e}}.{gate}.weight", "experts_t", (F, D)),
-            hf.Entry(("blocks", "mlp", "w_up"), m + f"experts.{{e}}.{up}.weight", "experts_t", (F, D)),
-            hf.Entry(("blocks", "mlp", "w_down"), m + f"experts.{{e}}.{down}.weight", "experts_t", (D, F))]
+    return [router, Entry(("blocks", "mlp", "w_gate"), m + f"experts.{{e}}.{gate}.weight", "experts_t", (F, D)),
+            Entry(("blocks", "mlp", "w_up"), m + f"experts.{{e}}.{up}.weight", "experts_t", (F, D)),
+            Entry(("blocks", "mlp", "w_down"), m + f"experts.{{e}}.{down}.weight", "experts_t", (D, F))]
 
 
 def is_fused(cfg: ModelConfig, names) -> bool:

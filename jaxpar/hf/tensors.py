@@ -1,5 +1,5 @@
-"""Hugging Face model folders (config.json + *.safetensors) in and out, for `llama` and `gpt2`
-(and the mixture-of-experts families of `jaxpar.hf_moe`).
+"""Hugging Face weights in and out: the map of every jaxpar parameter to its HF tensor
+(`entries`), reading a folder's safetensors (`load_params`) and writing a folder (`save_params`).
 
 Import places every parameter directly on its target sharding: `jax.make_array_from_callback`
 asks, per local device, for the slice that device holds, and only that slice is read from the
@@ -21,315 +21,36 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import ml_dtypes  # noqa: F401  (registers numpy's `bfloat16`, which safetensors' numpy reader needs)
 import numpy as np
 
-from jaxpar import hf_moe
-from jaxpar.files import publish as _publish
-from jaxpar.config import Config, ConfigError, JaxparError, ModelConfig, validate
+from jaxpar import model
+from jaxpar.config import ModelConfig
+from jaxpar.hf import moe
+from jaxpar.hf.common import Entry, HFError, publish
+from jaxpar.hf.config import check_matches, hf_config
+from jaxpar.model.transformer import dense_config, layer_order
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Larger exports are split into shards of at most this many bytes (as transformers does).
 MAX_SHARD_BYTES = 5 * 2**30
-# Context length given to an imported llama when config.json allows more: a training default the
-# user lowers or raises with model.seq_len; RoPE has no parameters, so nothing depends on it.
-LLAMA_SEQ_CAP = 4096
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-
-
-class HFError(JaxparError):
-    """A Hugging Face folder that jaxpar cannot read or write."""
-
-
-# --------------------------------------------------------------------------------------------
-# config.json <-> ModelConfig
-
-
-def read_hf_config(folder: str) -> dict[str, Any]:
-    """The parsed config.json of a Hugging Face model folder."""
-    if not os.path.isdir(folder):
-        raise HFError(f"{folder!r} is not a directory; pass a Hugging Face model folder (config.json + *.safetensors).")
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        from jaxpar.cli import KINDS, folder_kind
-
-        kind = folder_kind(folder)
-        if kind == "run":
-            raise HFError(f"{folder!r} is {KINDS['run']}, not a Hugging Face model folder; export it with "
-                          f"`python -m jaxpar.convert --run-dir {folder} --to-hf DIR` and pass DIR.")
-        what = f"is {KINDS['dataset']}, not a model" if kind == "dataset" else \
-            "has no config.json, so it is not a Hugging Face model folder"
-        raise HFError(f"{folder!r} {what}; pass a folder written by save_pretrained (config.json + *.safetensors).")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFError(f"{path!r} cannot be read as JSON ({e}); pass a valid Hugging Face config.json.") from None
-    if not isinstance(raw, dict):
-        raise HFError(f"{path!r} must hold a JSON object, got {type(raw).__name__}; pass a valid config.json.")
-    return raw
-
-
-def _value(hf: dict, path: str, key: str, default: Any = ...) -> Any:
-    if key in hf and hf[key] is not None:
-        return hf[key]
-    if default is ...:
-        raise HFError(f"{path!r} lacks `{key}`, which a {hf.get('model_type')} model needs; add it to config.json.")
-    return default
-
-
-def _refuse(ok: bool, path: str, what: str, why: str) -> None:
-    if not ok:
-        raise HFError(f"{path!r} sets {what}, but {why}.")
-
-
-# model_types of the llama architecture: Mistral as llama; Qwen 2 / 2.5 with q, k, v biases; Qwen 3
-# with q and k norms and its own head_dim.
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: int = 64) -> ModelConfig:
-    """jaxpar's ModelConfig for a Hugging Face `llama` or `gpt2` folder.
-
-    `seq_len` (default: the folder's maximum, capped at 4096 for llama) may not exceed the maximum
-    position of config.json. The vocabulary is padded to a multiple of `vocab_multiple` (64: a
-    multiple of any power-of-two tensor-parallel size up to 64; 50257 -> 50304).
-    """
-    hf = read_hf_config(folder)
-    path = os.path.join(folder, "config.json")
-    arch = hf.get("model_type")
-    llamas = LLAMA_FAMILIES + hf_moe.FAMILIES
-    if arch not in llamas + ("gpt2",):
-        raise HFError(f"{path!r} has model_type = {arch!r}, which jaxpar does not support; jaxpar reads "
-                      f"{', '.join(f'`{a}`' for a in llamas)} and `gpt2` models.")
-    v = lambda key, default=...: _value(hf, path, key, default)  # noqa: E731
-
-    def i(key: str, default: Any = ...) -> int:
-        value = v(key, default)
-        _refuse(isinstance(value, int) and not isinstance(value, bool) and value > 0, path, f"{key} = {value!r}",
-                f"{key} must be a positive integer")
-        return value
-
-    def f(key: str, default: float) -> float:
-        value = v(key, default)
-        _refuse(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, path,
-                f"{key} = {value!r}", f"{key} must be a positive number")
-        return float(value)
-
-    def nonneg(key: str, default: float) -> float:
-        value = v(key, default)
-        _refuse(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, path,
-                f"{key} = {value!r}", f"{key} must be a non-negative number")
-        return float(value)
-
-    if arch in llamas:  # the llama architecture under their own model_types and options
-        d, n = i("hidden_size"), i("num_attention_heads")
-        rope = hf.get("rope_parameters") or {}
-        if "rope_theta" in rope:  # transformers 5 keeps it there
-            hf = {**hf, "rope_theta": rope["rope_theta"]}
-        scaling = hf.get("rope_scaling") or {}
-        # transformers 5 writes the scaling into rope_parameters, 4.x into rope_scaling.
-        scaling = rope if ("rope_type" in rope or "type" in rope) else scaling
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        _refuse(rope_type in ("default", "linear", "llama3"), path, f"RoPE type {rope_type!r}",
-                "jaxpar implements the default, linear and llama3 rotary embeddings")
-        _refuse(scaling.get("attention_factor") in (None, 1, 1.0), path,
-                f"rope attention_factor = {scaling.get('attention_factor')!r}",
-                "jaxpar's linear and llama3 RoPE leave the attention scale unchanged (attention_factor 1)")
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-        _refuse(v("hidden_act", "silu") == "silu", path, f"hidden_act = {hf.get('hidden_act')!r}",
-                "jaxpar's llama MLP is SwiGLU with silu")
-        _refuse(not hf.get("attention_bias") and not hf.get("mlp_bias"), path, "attention_bias or mlp_bias",
-                "jaxpar's llama architecture has biases only on q, k and v (qwen2), none on the output "
-                "projection or the MLP")
-        head_dim = i("head_dim", d // n)
-        max_pos = i("max_position_embeddings", 2048)
-        fields = dict(n_layers=i("num_hidden_layers"), d_model=d, n_heads=n, n_kv_heads=i("num_key_value_heads", n),
-                      d_ff=i("intermediate_size"), norm_eps=f("rms_norm_eps", 1e-6),
-                      rope_theta=f("rope_theta", 10000.0), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                      head_dim=None if head_dim == d // n and d % n == 0 else head_dim,
-                      qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "qwen3_moe"),
-                      hf_model_type="mistral" if arch == "mistral" else None)
-        if arch in hf_moe.FAMILIES:
-            fields.update(hf_moe.config_fields(hf, path, arch, i, nonneg))
-        if rope_type != "default":
-            sv = lambda key: _value({**scaling, "model_type": f"{arch} with {rope_type} RoPE"}, path, key)  # noqa: E731
-            fields.update(rope_scaling=rope_type, rope_factor=float(sv("factor")))
-        if rope_type == "llama3":
-            fields.update(rope_low_freq_factor=float(sv("low_freq_factor")),
-                          rope_high_freq_factor=float(sv("high_freq_factor")),
-                          rope_original_context=int(sv("original_max_position_embeddings")))
-        # Full causal attention equals a sliding window of W tokens on sequences of at most W.
-        default_len = min(max_pos, LLAMA_SEQ_CAP, window or max_pos)
-        _refuse(window is None or seq_len is None or window >= seq_len, path, f"sliding_window = {window}",
-                f"jaxpar's attention is full causal attention, which equals a sliding window only when the window "
-                f"covers the sequence (seq_len = {seq_len}); choose seq_len <= {window}")
-    else:
-        d = i("n_embd")
-        act = v("activation_function", "gelu_new")
-        _refuse(act in ("gelu_new", "gelu_pytorch_tanh"), path, f"activation_function = {act!r}",
-                "jaxpar's gpt2 MLP uses the tanh approximation of GELU (gelu_new)")
-        _refuse(v("scale_attn_weights", True) and not hf.get("scale_attn_by_inverse_layer_idx")
-                and not hf.get("add_cross_attention"), path,
-                "scale_attn_weights = false, scale_attn_by_inverse_layer_idx or add_cross_attention",
-                "jaxpar's gpt2 attention is plain causal self-attention scaled by 1/sqrt(head_dim)")
-        _refuse(hf.get("tie_word_embeddings", True), path, "tie_word_embeddings = false",
-                "jaxpar's gpt2 ties its output projection to the token embedding")
-        max_pos = i("n_positions", i("max_position_embeddings", 1024))
-        fields = dict(n_layers=i("n_layer"), d_model=d, n_heads=i("n_head"), n_kv_heads=None,
-                      d_ff=i("n_inner", 4 * d), norm_eps=f("layer_norm_epsilon", 1e-5))
-        default_len = max_pos
-    if seq_len is not None and seq_len > max_pos:
-        raise HFError(f"seq_len = {seq_len} exceeds the {max_pos} positions of {path!r}; choose seq_len <= {max_pos}.")
-    if "initializer_range" in hf:
-        fields["init_std"] = f("initializer_range", 0.02)
-    cfg = ModelConfig(arch="gpt2" if arch == "gpt2" else "llama", vocab_size=i("vocab_size"), vocab_multiple=vocab_multiple,
-                      seq_len=default_len if seq_len is None else seq_len, **fields)
-    try:
-        validate(Config(model=cfg))
-    except ConfigError as e:
-        raise HFError(f"{path!r} describes a model jaxpar cannot build: {e}") from None
-    return cfg
-
-
-def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json of a jaxpar model (the keys both transformers 4.45+ and 5 read)."""
-    dtype = cfg.param_dtype
-    if cfg.arch == "llama":
-        if cfg.qkv_bias and cfg.qk_norm:
-            raise HFError("model.qkv_bias and model.qk_norm together have no Hugging Face family (qwen2 has the "
-                          "biases, qwen3 the norms); export a model with one of them.")
-        family, name = ("qwen3", "Qwen3") if cfg.qk_norm else ("qwen2", "Qwen2") if cfg.qkv_bias else \
-            ("mistral", "Mistral") if cfg.hf_model_type == "mistral" else ("llama", "Llama")
-        out = {
-            "architectures": [f"{name}ForCausalLM"], "model_type": family, "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
-            "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "attention_bias": False, "mlp_bias": False,
-            "tie_word_embeddings": cfg.tied, "initializer_range": cfg.init_std, "torch_dtype": dtype,
-        }
-        if family == "qwen2":
-            del out["attention_bias"]  # not a Qwen 2 key: its q, k, v always have biases
-        if family in ("qwen2", "qwen3"):
-            out["use_sliding_window"] = False
-        if family == "mistral":
-            out["sliding_window"] = None
-        return hf_moe.config_keys(cfg, out) if cfg.moe else out
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-        "n_embd": cfg.d_model, "n_inner": cfg.d_ff, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
-        "n_positions": cfg.seq_len, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
-        "scale_attn_weights": True, "tie_word_embeddings": True, "initializer_range": cfg.init_std,
-        "torch_dtype": dtype,
-    }
-
-
-def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
-    """config.json's rope_scaling of `cfg` (transformers 4.x reads it; 5 reads it into rope_parameters)."""
-    if cfg.rope_scaling == "none":
-        return None
-    out = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
-    if cfg.rope_scaling == "llama3":
-        out.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
-                   original_max_position_embeddings=cfg.rope_original_context)
-    return out
-
-
-_MATCHED = ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "head_size", "n_experts", "experts_per_token",
-            "expert_width", "n_shared_experts", "router", "router_norm_topk", "moe_pattern", "d_ff", "vocab_size",
-            "norm_eps", "tied", "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rope_factor",
-            "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
-# Keys compared as the model uses them, set through another field (null there: derived from others).
-_SET_BY = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "tied": "tie_embeddings", "expert_width": "expert_d_ff",
-           "moe_pattern": "moe_layers"}
-
-
-def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
-    """The folder's ModelConfig, after checking that `cfg` describes the same function (shapes,
-    norm epsilon, RoPE base and scaling, tie, q/k/v biases and norms; seq_len within the folder's
-    positions); raises one HFError listing every setting that differs otherwise.
-
-    A derived value (the head width, KV heads, tie, expert width) is listed only if it still
-    differs once the settings it derives from take the folder's values: d_model = 128 against 64
-    is one difference, not also a head_dim one."""
-    hf_cfg = config_from_hf(folder)
-    path = os.path.join(folder, "config.json")
-    used = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "rope_scaling", "rope_factor")}
-
-    def compared(key: str) -> bool:
-        if key.startswith("rope") and (cfg.arch != "llama" or key not in used.get(hf_cfg.rope_scaling, (key,))):
-            return False
-        if key == "d_ff" and hf_cfg.moe and not hf_cfg.mixed:  # every MLP is MoE: d_ff is unused
-            return False
-        if key in ("experts_per_token", "expert_width", "n_shared_experts", "router", "router_norm_topk",
-                   "moe_pattern") and not hf_cfg.moe:  # both dense (n_experts matched): the MoE keys are unused
-            return False
-        return True
-
-    diffs: dict[str, tuple[Any, Any]] = {}  # field -> (cfg's value, the folder's)
-    for key in (k for k in _MATCHED if k not in _SET_BY and compared(k)):
-        if getattr(cfg, key) != getattr(hf_cfg, key):
-            diffs[key] = getattr(cfg, key), getattr(hf_cfg, key)
-    try:
-        fixed = dataclasses.replace(cfg, **{k: want for k, (_, want) in diffs.items()})
-    except (TypeError, ValueError):
-        fixed = cfg
-    for key in (k for k in _MATCHED if k in _SET_BY and compared(k)):
-        if getattr(fixed, key) != getattr(hf_cfg, key):
-            name = _SET_BY[key]
-            if key == "moe_pattern":
-                diffs[name] = cfg.moe_layers, hf_cfg.moe_layers
-            else:
-                diffs[name] = getattr(cfg, key), getattr(hf_cfg, key)
-    seq_ok = True
-    try:
-        config_from_hf(folder, seq_len=cfg.seq_len)  # raises if seq_len exceeds the positions
-    except HFError:
-        if not diffs or cfg.seq_len <= hf_cfg.seq_len:  # alone, or another problem: its own sentence
-            raise
-        seq_ok = False
-    if diffs or not seq_ok:
-        items = [f"model.{k} = {got!r} (folder: {want!r})" for k, (got, want) in diffs.items()]
-        if not seq_ok:
-            items.append(f"model.seq_len = {cfg.seq_len} (folder: at most {hf_cfg.seq_len})")
-        n = len(items)
-        sets = " ".join(f"--set model.{k}={want}" for k, (_, want) in diffs.items())
-        if not seq_ok:
-            sets += f" --set model.seq_len={hf_cfg.seq_len}"
-        raise HFError(f"{n} setting{'s' if n > 1 else ''} of the model section differ{'s' if n == 1 else ''} from "
-                      f"{path!r}: {', '.join(items)}; set {'them' if n > 1 else 'it'} to the folder's "
-                      f"value{'s' if n > 1 else ''} (`{sets.strip()}`) or start from another folder.")
-    return hf_cfg
 
 
 # --------------------------------------------------------------------------------------------
 # Which HF tensor each jaxpar parameter comes from, and how
 
-
-class Entry(NamedTuple):
-    path: tuple[str, ...]   # the jaxpar leaf, e.g. ("blocks", "attn", "wq")
-    hf: str                 # HF tensor name; "{i}" is the layer index for `blocks` leaves, "{e}" the expert's
-    kind: str               # how the leaf is read from the tensor (see `_read`)
-    hf_shape: tuple[int, ...]
-    offset: int = 0         # first column of this leaf in a fused tensor (GPT-2's c_attn)
-    layers: tuple[int, ...] | None = None  # a mixed model's stack: the model layer ("{i}") of each entry
-
-
 def entries(cfg: ModelConfig, prefix: str = "", *, fused: bool = False) -> list[Entry]:
     """The mapping of every jaxpar parameter to its HF tensor (`prefix`: "transformer." for
     GPT-2 checkpoints saved from GPT2LMHeadModel, "" for ones saved from GPT2Model; `fused`: an
-    MoE checkpoint whose experts are stored fused, see `hf_moe`)."""
+    MoE checkpoint whose experts are stored fused, see `jaxpar.hf.moe`)."""
     if cfg.block != "pre_norm":
         raise HFError(f"model.block = {cfg.block!r} has no Hugging Face counterpart (transformers' llama and gpt2 "
                       "are pre_norm blocks); convert only models with model.block=pre_norm.")
     if cfg.mixed:  # dense and MoE layers (`model.moe_layers`): each stack's entries, at its layers
-        from jaxpar.model.transformer import dense_config, layer_order
-
         order, out = layer_order(cfg), []
         kinds = (("dense", dense_config(cfg)), ("moe", dataclasses.replace(cfg, moe_layers="all")))
         for kind, kind_cfg in kinds:
@@ -342,7 +63,7 @@ def entries(cfg: ModelConfig, prefix: str = "", *, fused: bool = False) -> list[
     D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size
     if cfg.arch == "llama":
         a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
-        mlp = hf_moe.entries(cfg, fused) if cfg.moe else [
+        mlp = moe.entries(cfg, fused) if cfg.moe else [
             Entry(("blocks", "mlp", "w_gate"), m + "gate_proj.weight", "t", (F, D)),
             Entry(("blocks", "mlp", "w_up"), m + "up_proj.weight", "t", (F, D)),
             Entry(("blocks", "mlp", "w_down"), m + "down_proj.weight", "t", (D, F))]
@@ -400,7 +121,7 @@ def _layer_names(cfg: ModelConfig, e: Entry) -> list[str]:
 
 
 def _hf_names(cfg: ModelConfig, e: Entry) -> list[str]:
-    return [n for name in _layer_names(cfg, e) for n in hf_moe.expert_names(cfg, name)]
+    return [n for name in _layer_names(cfg, e) for n in moe.expert_names(cfg, name)]
 
 
 Getter = Callable[[str, tuple[slice, ...]], np.ndarray]
@@ -432,8 +153,8 @@ def _heads(get: Getter, name: str, where: tuple[slice | None, ...], offset: int,
 
 def _read(e: Entry, name: str, get: Getter, idx: tuple[slice, ...], H: int) -> np.ndarray:
     """The slice `idx` of one layer's jaxpar leaf `e`, reading only the HF rows and columns it needs."""
-    if e.kind in hf_moe.KINDS:
-        return hf_moe.read(e, name, get, idx)
+    if e.kind in moe.KINDS:
+        return moe.read(e, name, get, idx)
     if e.kind == "same":  # rows may be padded (vocabulary) or fewer than the tensor's (positions)
         return _rows(get, name, idx[0], e.hf_shape[0], idx[1:])
     if e.kind == "t":     # jaxpar [in, out] from HF [out, in]; out may be padded (lm_head)
@@ -499,11 +220,9 @@ def read_leaf(cfg: ModelConfig, e: Entry, get: Getter, idx: tuple, shape: tuple[
 
 def from_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
     """jaxpar parameters (numpy, float32, canonical layout) from HF tensors held in memory."""
-    from jaxpar import model
-
     shapes, prefix = model.param_shapes(cfg), _gpt2_prefix(cfg, tensors)
     out: dict = {}
-    for e in entries(cfg, prefix, fused=hf_moe.is_fused(cfg, tensors)):
+    for e in entries(cfg, prefix, fused=moe.is_fused(cfg, tensors)):
         shape = _leaf(shapes, e.path).shape
         _set(out, e.path, read_leaf(cfg, e, lambda n, s: np.asarray(tensors[n][s]), (slice(None),) * len(shape), shape))
     for path in _buffers(cfg):
@@ -516,7 +235,7 @@ def _buffers(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
     """The leaves no HF tensor holds (zeros on import, never exported): the MoE routers' report."""
     if not cfg.moe:
         return ()
-    return tuple(("blocks", "moe", *p[1:]) for p in hf_moe.BUFFERS) if cfg.mixed else hf_moe.BUFFERS
+    return tuple(("blocks", "moe", *p[1:]) for p in moe.BUFFERS) if cfg.mixed else moe.BUFFERS
 
 
 def to_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -527,7 +246,7 @@ def to_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
         x = np.asarray(_leaf(params, e.path))
         for i, name in enumerate(_layer_names(cfg, e)):
             xi = x[i] if e.path[0] == "blocks" else x
-            for n, t in hf_moe.write(e, name, xi) if e.kind in hf_moe.KINDS else [(name, _write(e, xi))]:
+            for n, t in moe.write(e, name, xi) if e.kind in moe.KINDS else [(name, _write(e, xi))]:
                 parts.setdefault(n, []).append((e.offset, t))
     order = sorted(parts, key=_hf_order)
     return {n: np.ascontiguousarray(np.concatenate([p for _, p in sorted(parts[n], key=lambda q: q[0])], axis=-1))
@@ -607,7 +326,7 @@ def _index(folder: str) -> _Folder:
 
 def _check_tensors(cfg: ModelConfig, tf: _Folder, hf_cfg: ModelConfig) -> list[Entry]:
     """Every tensor the model needs is there with the shape config.json implies; nothing else is."""
-    fused = hf_moe.is_fused(hf_cfg, tf.where)
+    fused = moe.is_fused(hf_cfg, tf.where)
     es = entries(hf_cfg, _gpt2_prefix(cfg, tf.where), fused=fused)
     expected = {}
     for e in es:
@@ -639,8 +358,6 @@ def load_params(folder: str, cfg, shardings: Any) -> dict:
     checked against config.json (`check_matches`). Each process reads from the safetensors files
     only the slices its own devices hold; arrays have `cfg.model.param_dtype`."""
     from safetensors import safe_open
-
-    from jaxpar import model
 
     mcfg = getattr(cfg, "model", cfg)
     hf_cfg = check_matches(mcfg, folder)
@@ -739,14 +456,3 @@ def save_params(params: dict, cfg, folder: str, *, max_shard_bytes: int = MAX_SH
 def _unwritable(folder: str, e: OSError) -> HFError:
     return HFError(f"{folder!r} cannot be written ({e.strerror or e}); choose a folder you can write to, with room "
                    "for the weights.")
-
-
-def publish(tmp: str, target: str) -> None:
-    """Rename the finished temporary directory `tmp` to `target`, it and its files with the user's
-    umask (`jaxpar.files.publish`: mkdtemp makes the folder private, safetensors its files)."""
-    _publish(tmp, target)
-
-
-def tokenizer_files(folder: str) -> dict[str, str]:
-    """The tokenizer (and generation) files of a Hugging Face folder that exist, name -> path."""
-    return {n: os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))}
