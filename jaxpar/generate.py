@@ -90,7 +90,7 @@ def generate(cfg: Config | ModelConfig, params: dict, prompt_ids: Sequence[int],
     if mesh is not None:
         from jax.sharding import NamedSharding
 
-        from jaxpar.config import check_model_axis
+        from jaxpar.parallel.checks import check_model_axis
         from jaxpar.mesh import check_mesh
         from jaxpar.sharding import compute_rules
 

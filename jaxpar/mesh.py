@@ -22,7 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import Config, ConfigError, check_batch, check_data_axis, check_model_axis, check_stage_axis, resolve_mesh_shape
+from jaxpar.config import Config, ConfigError, resolve_mesh_shape
+from jaxpar.parallel.checks import check_batch, check_data_axis, check_model_axis, check_stage_axis
 
 AXES = ("data", "stage", "model")
 

@@ -27,9 +27,8 @@ import re
 from pathlib import Path
 
 from jaxpar.config import Config, ConfigError
+from jaxpar.config.rules import FLAG_TOKEN, syntax_error  # noqa: F401 (the syntax is the config's rule; re-exported)
 
-FLAG_TOKEN = re.compile(r"--(xla_[a-z0-9_]+)(?:=(\S*))?")
-"""One flag as XLA_FLAGS spells it: `--name=value`, or `--name` (a boolean set true)."""
 _REGISTERED = re.compile(rb"\x00(xla_[a-z0-9_]+)(?=\x00)")
 log = logging.getLogger("jaxpar")
 
@@ -126,18 +125,6 @@ class Choice:
 def parse(text: str) -> list[tuple[str, str]]:
     """(name, token) of each `--xla_*` flag in an XLA_FLAGS-style string (other tokens skipped)."""
     return [(m.group(1), m.group(0)) for t in text.split() if (m := FLAG_TOKEN.fullmatch(t))]
-
-
-def syntax_error(text: str) -> str | None:
-    """Why `text` is not `auto`, `none` or XLA flags (None when it is): config validation."""
-    if text in ("auto", "none"):
-        return None
-    bad = [t for t in text.split() if not FLAG_TOKEN.fullmatch(t)]
-    if not text.split() or bad:
-        return (f"runtime.xla_flags = {text!r} must be auto, none, or XLA flags separated by spaces, each "
-                f"--xla_name=value{f' (not {bad[0]!r})' if bad else ''}; e.g. "
-                "'--xla_gpu_enable_latency_hiding_scheduler=true'.")
-    return None
 
 
 def choose(backend: str, version: tuple[int, ...], known: frozenset[str]) -> tuple[list[Spelling], list[str]]:

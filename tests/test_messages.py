@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jaxpar import hf, model
-from jaxpar.config import Config, ConfigError, check_stage_axis, load_config
+from jaxpar.config import Config, ConfigError, load_config
+from jaxpar.parallel.checks import check_stage_axis
 from jaxpar.data import DataError, prepare
 from jaxpar.train.data import TokenFileSource, make_source
 

@@ -9,9 +9,10 @@ import jax
 import pytest
 
 from jaxpar import model
-from jaxpar.config import check_batch, from_dict, load_config, validate
+from jaxpar.config import from_dict, load_config, validate
 from jaxpar.inspect import analyze
 from jaxpar.mesh import check_sizes, make_mesh
+from jaxpar.parallel.checks import check_batch
 from jaxpar.costs import (MATMUL_EFFICIENCY, Roofline, compiled_bytes_per_axis, memory, model_flops_per_token,
                           model_state)
 from jaxpar.plan import main, parse_bytes, plan

@@ -1,0 +1,216 @@
+"""The rules a run configuration must satisfy that need only the config: `validate` (every one
+that does not need the devices), the syntax of `runtime.xla_flags`, and `resolve_mesh_shape` (the
+mesh sizes against a device count).
+
+Each broken rule is one `ConfigError` sentence that names the value, the rule and a fix. The rules
+that need the pipeline's tables or stage layouts (an axis's size against the model, the batch
+against data x microbatches) are `jaxpar.parallel.checks`'; this module imports nothing of
+jaxpar's model or parallel layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+from jaxpar.config.schema import Config, MeshConfig, ModelConfig
+from jaxpar.errors import ConfigError
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise `ConfigError(message)` unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
+@functools.lru_cache(maxsize=1024)  # (evaluated for a refusal's message, on every check)
+def nearest_divisor(n: int, near: int) -> int:
+    """The divisor of n nearest to `near` (the smaller on a tie): a fix a message proposes."""
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    return min(divisors, key=lambda k: (abs(k - near), k))
+
+
+FLAG_TOKEN = re.compile(r"--(xla_[a-z0-9_]+)(?:=(\S*))?")
+"""One flag as XLA_FLAGS spells it: `--name=value`, or `--name` (a boolean set true)."""
+
+
+def syntax_error(text: str) -> str | None:
+    """Why `text` is not `auto`, `none` or XLA flags (None when it is): config validation.
+    (Whether the installed jaxlib registers each flag is `jaxpar.xla_flags`', when a run starts.)"""
+    if text in ("auto", "none"):
+        return None
+    bad = [t for t in text.split() if not FLAG_TOKEN.fullmatch(t)]
+    if not text.split() or bad:
+        return (f"runtime.xla_flags = {text!r} must be auto, none, or XLA flags separated by spaces, each "
+                f"--xla_name=value{f' (not {bad[0]!r})' if bad else ''}; e.g. "
+                "'--xla_gpu_enable_latency_hiding_scheduler=true'.")
+    return None
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    """The mixture-of-experts keys (`model.n_experts` > 0)."""
+    require(m.n_experts > 0, f"model.n_experts = {m.n_experts} must not be negative; set it to 0 for a dense MLP "
+                             "or to the number of experts.")
+    require(m.arch == "llama", f"model.n_experts = {m.n_experts} needs model.arch = llama (got {m.arch}); set "
+                               "arch=llama or n_experts=0.")
+    require(1 <= m.experts_per_token <= m.n_experts,
+            f"model.experts_per_token = {m.experts_per_token} must be between 1 and model.n_experts = "
+            f"{m.n_experts}; route each token to at most as many experts as there are.")
+    require(m.expert_width > 0, f"model.expert_d_ff = {m.expert_d_ff} must be positive; set it, or null for d_ff.")
+    require(m.n_shared_experts >= 0, f"model.n_shared_experts = {m.n_shared_experts} must not be negative; set "
+                                     "it to 0 for none.")
+    require(m.capacity_factor is None or m.capacity_factor > 0,
+            f"model.capacity_factor = {m.capacity_factor} must be positive; set it to e.g. 1.25, or null for "
+            "dropless routing.")
+    K, N = m.moe_pattern
+    require(N >= 1 and (m.n_layers - K) % N == 0 and m.n_layers - K >= N,
+            f"model.moe_layers = {m.moe_layers} does not fit model.n_layers = {m.n_layers}: the layers after the "
+            f"{K} dense ones must be whole groups of {N} (each ending in its MoE layer), at least one; change "
+            "n_layers or the pattern.")
+    for key in ("router_aux_loss", "router_z_loss", "router_bias_rate"):
+        require(getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must not be negative; set it to 0 to "
+                                      "turn it off.")
+
+
+def validate(cfg: Config) -> None:
+    """Check every rule that does not need the devices; raise one ConfigError for the first broken one."""
+    m, mesh, par, tr = cfg.model, cfg.mesh, cfg.parallel, cfg.train
+    for key in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "seq_len", "vocab_multiple"):
+        require(getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} must be positive; set it to a positive integer.")
+    require(m.kv_heads > 0, f"model.n_kv_heads = {m.n_kv_heads} must be positive; set it to a divisor of "
+                            f"n_heads, or null for n_heads.")
+    require(m.head_dim is None or m.head_dim > 0,
+            f"model.head_dim = {m.head_dim} must be positive; set it, or null for d_model / n_heads.")
+    require(m.head_dim is not None or m.d_model % m.n_heads == 0,
+            f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}; "
+            f"choose n_heads among the divisors of d_model (e.g. {nearest_divisor(m.d_model, m.n_heads)}).")
+    require(m.n_heads % m.kv_heads == 0,
+            f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.kv_heads} "
+            f"(each kv head serves a whole group of query heads); "
+            f"choose n_kv_heads among the divisors of n_heads (e.g. {nearest_divisor(m.n_heads, m.kv_heads)}).")
+    if m.arch == "llama":
+        require(m.head_size % 2 == 0, f"head_dim = {m.head_size} must be even for RoPE; "
+                                      "change model.head_dim, or d_model or n_heads.")
+    require(m.arch == "llama" or not (m.qkv_bias or m.qk_norm or m.head_dim not in (None, m.d_model // m.n_heads)),
+            f"model.qkv_bias, qk_norm and head_dim are keys of the llama architecture (model.arch = {m.arch}); "
+            "remove them for gpt2.")
+    require(m.arch != "gpt2" or m.tie_embeddings in (None, True),
+            "model.tie_embeddings = false, but gpt2 ties its output projection to the token embedding; "
+            "remove the key or set it to true.")
+    require(m.rope_scaling in ("none", "linear", "llama3"),
+            f"model.rope_scaling = {m.rope_scaling!r} is not a RoPE scaling jaxpar implements; use none, "
+            "linear or llama3.")
+    if m.rope_scaling != "none":
+        require(m.arch == "llama", f"model.rope_scaling = {m.rope_scaling} needs model.arch = llama (got {m.arch}, "
+                                   "which has learned positions); set rope_scaling=none.")
+        require(m.rope_factor >= 1, f"model.rope_factor = {m.rope_factor} must be at least 1 (it divides RoPE's "
+                                    "frequencies); set it to the checkpoint's factor, e.g. 8.")
+    if m.rope_scaling == "llama3":
+        require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+                f"model.rope_low_freq_factor = {m.rope_low_freq_factor} and rope_high_freq_factor = "
+                f"{m.rope_high_freq_factor} must satisfy 0 < low < high; set them to the checkpoint's (Llama 3.1: 1 and 4).")
+        require(m.rope_original_context > 0, f"model.rope_original_context = {m.rope_original_context} must be "
+                                             "positive; Llama 3.1 uses 8192.")
+    if m.n_experts != 0:
+        _validate_moe(m)
+    else:
+        require(m.moe_pattern == (0, 1), f"model.moe_layers = {m.moe_layers} needs model.n_experts > 0 (a dense "
+                                         "model has no MoE layers); set n_experts, or moe_layers=all.")
+    require(m.norm_eps > 0, f"model.norm_eps = {m.norm_eps} must be positive; set it to a small number like 1e-5.")
+    require(m.init_std > 0, f"model.init_std = {m.init_std} must be positive; set it to e.g. 0.02.")
+
+    sizes = {"data": mesh.data, "stage": mesh.stage, "model": mesh.model}
+    for axis, size in sizes.items():
+        require(size == -1 or size >= 1,
+                f"mesh.{axis} = {size} is invalid; use a positive size or -1 for all remaining devices.")
+    minus = [a for a, s in sizes.items() if s == -1]
+    require(len(minus) <= 1,
+            f"mesh axes {' and '.join('mesh.' + a for a in minus)} are both -1, but at most one axis may "
+            "take the remaining devices; give all but one of them an explicit size.")
+
+    require(par.zero in (0, 1, 2, 3), f"parallel.zero = {par.zero} must be 0, 1, 2 or 3; pick one of those stages.")
+    require(par.zero_min_elements >= 0, f"parallel.zero_min_elements = {par.zero_min_elements} must not be "
+                                        "negative; set it to 0 to shard every leaf that can be sharded.")
+    if par.data_mode == "naive":  # one device updates everything: nothing else may split the state
+        require(not m.moe, f"model.n_experts = {m.n_experts} cannot be combined with parallel.data_mode = naive "
+                           "(the baseline step has no MoE router report or bias update); set "
+                           "parallel.data_mode=ddp.")
+        for key, value, ok in (("parallel.zero", par.zero, 0), ("mesh.stage", mesh.stage, 1),
+                               ("mesh.model", mesh.model, 1), ("parallel.offload", par.offload, "none")):
+            require(value == ok, f"{key} = {value} cannot be combined with parallel.data_mode = naive, which "
+                                 "keeps the whole optimizer state and update on device 0 (data parallelism "
+                                 f"only); set {key}={ok}, or parallel.data_mode=ddp.")
+    require(par.microbatches >= 1, f"parallel.microbatches = {par.microbatches} must be at least 1; set it to 1 or more.")
+    require(par.virtual_stages >= 1, f"parallel.virtual_stages = {par.virtual_stages} must be at least 1; set it to 1 or more.")
+
+    require(tr.steps >= 1, f"train.steps = {tr.steps} must be at least 1; set it to 1 or more.")
+    require(tr.global_batch >= 1, f"train.global_batch = {tr.global_batch} must be at least 1; set it to a multiple of mesh.data.")
+    require(tr.lr >= 0, f"train.lr = {tr.lr} must not be negative; set a positive learning rate like 3e-4.")
+    require(tr.warmup_steps >= 0, f"train.warmup_steps = {tr.warmup_steps} must not be negative; set it to 0 or more.")
+    require(0 <= tr.min_lr_ratio <= 1, f"train.min_lr_ratio = {tr.min_lr_ratio} must lie in [0, 1]; set e.g. 0.1.")
+    require(tr.grad_clip >= 0, f"train.grad_clip = {tr.grad_clip} must not be negative; set e.g. 1.0, or 0 to disable clipping.")
+    require(tr.master_weights == "none" or m.param_dtype != "float32",
+            f"train.master_weights = {tr.master_weights} needs a 16-bit model.param_dtype, but it is float32 "
+            "(the parameters are their own float32 master: a copy would only add 4 bytes per parameter); "
+            "set model.param_dtype=bfloat16 or train.master_weights=none.")
+    require(tr.weight_decay >= 0, f"train.weight_decay = {tr.weight_decay} must not be negative; set e.g. 0.1, or 0 to disable it.")
+    require(tr.log_every >= 1, f"train.log_every = {tr.log_every} must be at least 1; set it to 1 or more.")
+    require(tr.checkpoint_every >= 0, f"train.checkpoint_every = {tr.checkpoint_every} must not be negative; set it to 0 to disable checkpoints.")
+    require(tr.keep_checkpoints >= 1, f"train.keep_checkpoints = {tr.keep_checkpoints} must be at least 1; "
+                                      "set it to the number of checkpoints to keep.")
+    require(tr.eval_every >= 0, f"train.eval_every = {tr.eval_every} must not be negative; set it to 0 to disable evaluation.")
+    require(tr.eval_batches >= 1, f"train.eval_batches = {tr.eval_batches} must be at least 1; set it to 1 or more.")
+    require(tr.profile_start is None or 1 <= tr.profile_start <= tr.steps,
+            f"train.profile_start = {tr.profile_start} must be a step number in 1 .. train.steps = {tr.steps}; "
+            "set the first step to trace, or null to trace none.")
+    require(tr.profile_steps >= 1, f"train.profile_steps = {tr.profile_steps} must be at least 1; set the "
+                                   "number of steps to trace, e.g. 3.")
+    rt = cfg.runtime
+    require(not isinstance(rt.step_timeout_s, float) or rt.step_timeout_s > 0,
+            f"runtime.step_timeout_s = {rt.step_timeout_s} must be positive seconds; set e.g. 600, or auto, or off.")
+    require(rt.cpu_devices is None or rt.cpu_devices >= 1,
+            f"runtime.cpu_devices = {rt.cpu_devices} must be at least 1; set a device count, or null.")
+    require(rt.peak_tflops is None or rt.peak_tflops > 0,
+            f"runtime.peak_tflops = {rt.peak_tflops or 0:g} must be positive; set one device's dense peak TFLOP/s "
+            "(e.g. 989 for an H100 SXM in bf16), or null to look it up.")
+    flags_error = syntax_error(rt.xla_flags)
+    require(flags_error is None, flags_error or "")
+    given = {k: getattr(rt, k) for k in ("coordinator", "num_processes", "process_id")}
+    require(all(v is None for v in given.values()) or all(v is not None for v in given.values()),
+            "runtime.coordinator, runtime.num_processes and runtime.process_id go together, but only "
+            f"{', '.join(k for k, v in given.items() if v is not None)} is set; set all three or none.")
+    if rt.num_processes is not None:
+        require(rt.num_processes >= 1, f"runtime.num_processes = {rt.num_processes} must be at least 1; set the process count.")
+        require(0 <= rt.process_id < rt.num_processes,
+                f"runtime.process_id = {rt.process_id} must lie in 0 .. runtime.num_processes - 1 = "
+                f"{rt.num_processes - 1}; give each process its own index.")
+        require(":" in rt.coordinator, f"runtime.coordinator = {rt.coordinator!r} must be host:port of process 0, "
+                                       "e.g. localhost:12355.")
+
+    # The batch's divisibility over data x microbatches is checked with the mesh
+    # (`jaxpar.parallel.checks.check_batch`), once the data size is resolved against the devices:
+    # a wrong mesh is reported first.
+
+    require(par.virtual_stages == 1 or par.schedule == "interleaved_1f1b",
+            f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = interleaved_1f1b "
+            f"(got {par.schedule}); set the schedule or parallel.virtual_stages=1.")
+
+
+def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    """(data, stage, model) sizes with -1 filled in; raises ConfigError if they do not cover n_devices."""
+    sizes = [mesh.data, mesh.stage, mesh.model]
+    names = ["data", "stage", "model"]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        i = sizes.index(-1)
+        if n_devices % known != 0:
+            raise ConfigError(
+                f"mesh.{names[i]} = -1 cannot fill {n_devices} devices: the other axes multiply to {known}, "
+                f"which does not divide {n_devices}; choose sizes whose product divides the device count.")
+        sizes[i] = n_devices // known
+    if math.prod(sizes) != n_devices:
+        raise ConfigError(
+            f"mesh (data, stage, model) = {tuple(sizes)} has {math.prod(sizes)} devices but {n_devices} are "
+            f"available; choose sizes whose product is {n_devices}, or set one axis to -1.")
+    return tuple(sizes)  # type: ignore[return-value]
