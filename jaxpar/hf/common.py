@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-from jaxpar.config import JaxparError
+from jaxpar.errors import JaxparError
 from jaxpar.files import publish as _publish
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
