@@ -61,6 +61,7 @@ from jaxpar.config import Config
 from jaxpar.model.layers import split_backward, weight_gradient
 from jaxpar.model.transformer import block_bodies, block_kinds, scan_layers, stack, stack_prefix
 from jaxpar.parallel import microbatches
+from jaxpar.parallel.schedules import validate
 from jaxpar.parallel.stages import chunk_model, stage_layout
 from jaxpar.parallel.zero import Layout
 from jaxpar.parallel.gradients import Reduction, _gather, _seed, hand_out, manual_region, mark_for_use, reduction
@@ -120,8 +121,6 @@ class Carry(NamedTuple):
 
 def table_of(schedule) -> Table:
     """The executor's view of a `jaxpar.parallel.schedules.Schedule`, validated (slots included)."""
-    from jaxpar.parallel.schedules import validate
-
     validate(schedule)
     counts = schedule.slot_counts()
     rows = {k: np.asarray(x, np.int32) for k, x in schedule.to_arrays().items()}

@@ -22,6 +22,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxpar.model.transformer import layer_order
+
 
 @dataclasses.dataclass(frozen=True)
 class StageLayout:
@@ -80,8 +82,6 @@ def stage_layout(m, p: int, v: int = 1, stage_layers: tuple[int, ...] | None = N
         prefix, groups = 0, 0
         kinds = ("",)
     else:
-        from jaxpar.model.transformer import layer_order  # (the model's layers of each stack)
-
         K, N = m.moe_pattern
         order = layer_order(m)  # the stack entry of each of the model's layers, per kind
         order_dense = {int(layer): i for i, layer in enumerate(order["dense"])}

@@ -30,6 +30,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config, ConfigError
+from jaxpar.parallel.stages import valid_stage_layout
 from jaxpar.sharding import expert_replicas, Rules, storage_rules
 
 
@@ -153,7 +154,6 @@ def _gathers_slots(cfg: Config, p: int) -> bool:
     """Does the pipeline gather its chunks' layer slots (`jaxpar.parallel.stages.StageLayout.gather`)?"""
     if p == 1:
         return False
-    from jaxpar.parallel.stages import valid_stage_layout
     slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
     return slots is not None and slots.gather
 

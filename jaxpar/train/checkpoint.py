@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 
-from jaxpar.config import Config, JaxparError, to_yaml
+from jaxpar.config import Config, JaxparError, from_dict, to_yaml
 
 log = logging.getLogger("jaxpar")
 
@@ -485,8 +485,6 @@ def newest_trained(run_dir: str, allow_stale: bool = False) -> int:
 
 def run_config(run_dir: str, step: int | None = None) -> tuple[Config, int]:
     """The config a run's checkpoint (default: the newest) was saved with, and its step."""
-    from jaxpar.config import from_dict
-
     steps = saved_steps(run_dir)
     if not steps:
         raise CheckpointError(f"run_dir {run_dir!r} holds no checkpoint ({directory(run_dir)!r} is empty or missing); "
