@@ -37,7 +37,7 @@ def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: 
     from jax._src.ad_checkpoint import saved_residuals  # no public spelling in jax 0.10
 
     from jaxpar.sharding import LOGICAL_NAMES, Rules, TensorParallel, activation_rules
-    from jaxpar.train.step import cross_entropy_sum
+    from jaxpar.model.loss import cross_entropy_sum
 
     names, shapes = model.param_names(mcfg), model.param_shapes(mcfg)
     split = set(_TP_NAMES) | ({"kv_heads"} if mcfg.kv_heads % t == 0 else set())

@@ -27,9 +27,10 @@ from jaxpar import model
 from jaxpar.config import Config, ConfigError, validate
 from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_mesh
 from jaxpar.model import moe
+from jaxpar.model.loss import cross_entropy, cross_entropy_sum  # noqa: F401 (the loss rule; cross_entropy re-exported)
 from jaxpar.parallel.gradients import make_loss_and_grads
 from jaxpar.parallel.zero import Layout, make_layout
-from jaxpar.sharding import compute_rules, vocab_offset, vocab_reduce
+from jaxpar.sharding import compute_rules
 from jaxpar.train.data import has_loss_mask
 from jaxpar.train.optim import lr_schedule, make_optimizer, stored_params, upcast_at_use
 
@@ -40,32 +41,6 @@ class TrainState(NamedTuple):
     opt_state: Any
     skipped: jax.Array  # int32 scalar: steps whose loss or gradient was not finite (update dropped);
     # with train.on_nan = stop, a positive count freezes the state (the loop then saves and stops)
-
-
-def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, vocab_size: int | None = None) -> jax.Array:
-    """Mean next-token cross-entropy in float32."""
-    return cross_entropy_sum(logits_BxTxV, targets_BxT, vocab_size) / targets_BxT.size
-
-
-def cross_entropy_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array, vocab_size: int | None = None) -> jax.Array:
-    """Summed next-token cross-entropy in float32; ids >= vocab_size (padding) are never predicted.
-
-    Written as reductions over `vocab` only (max, sum of exp, and a masked sum for the target's
-    logit, no gather), so with the vocab split over `model` each rank reduces its slice and only
-    [B, T] partial results cross ranks: the full [B, T, V] logits never exist on one device.
-    """
-    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
-    # Global ids of this rank's vocabulary slice (all of it without tensor parallelism).
-    ids_BxTxV = jax.lax.broadcasted_iota(jnp.int32, logits_BxTxV.shape, 2) + vocab_offset(logits_BxTxV.shape[-1])
-    if vocab_size is not None:
-        logits_BxTxV = jnp.where(ids_BxTxV < vocab_size, logits_BxTxV, -jnp.inf)
-    # The max only keeps exp() in range; its gradient cancels, so it is taken out of the graph.
-    max_BxT = vocab_reduce(jax.lax.stop_gradient(jnp.max(logits_BxTxV, axis=-1)), "max")
-    sumexp_BxT = vocab_reduce(jnp.sum(jnp.exp(logits_BxTxV - max_BxT[..., None]), axis=-1), "sum")
-    target_BxT = vocab_reduce(jnp.sum(jnp.where(ids_BxTxV == targets_BxT[..., None], logits_BxTxV, 0.0), axis=-1),
-                              "sum")
-    # A negative target (~id: chat data's context, `train.data.with_mask`) is not learned.
-    return jnp.sum(jnp.where(targets_BxT >= 0, max_BxT + jnp.log(sumexp_BxT) - target_BxT, 0.0))
 
 
 def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: int | None = None) -> jax.Array:
