@@ -24,12 +24,13 @@ from jaxpar.config import Config, validate
 from jaxpar.costs_activations import _activations, _offloaded, _tap_input_width, _tap_width, saved_activation_bytes  # noqa: F401
 from jaxpar import costs_moe
 from jaxpar.model.layers import flash_attention_applies
+from jaxpar.hardware import Hardware
 from jaxpar.mesh import AXES, check_sizes
+from jaxpar.model.flops import count_active_params as _count_params, model_flops_per_token
 from jaxpar.parallel.gradients import reduction, zero3_gathers
+from jaxpar.parallel.reduction import upcast_at_use
 from jaxpar.parallel.stages import chunk_model, valid_stage_layout
 from jaxpar.parallel.zero import make_layout, state_bytes
-from jaxpar.plan_presets import Hardware
-from jaxpar.train.optim import upcast_at_use
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -213,7 +214,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
       accumulators of this stage's blocks and of the shared leaves (embeddings, head), reduced
       after the tick loop, plus one chunk's gradients. With master weights gradients are float32,
       and where the step differentiates a float32 copy of the stored parameters
-      (`jaxpar.train.optim.upcast_at_use` false) that copy is counted here too; where the upcast
+      (`jaxpar.parallel.reduction.upcast_at_use` false) that copy is counted here too; where the upcast
       is per layer, reduced gradients are stored in the parameter dtype.
     - activations: the values JAX saves for the backward pass (`saved_activation_bytes`) of one
       microbatch (two with accumulation: see below; pipelines: of one chunk, which F stashes), plus the working set of the backward pass of one layer: its
@@ -578,20 +579,6 @@ def _tp_sublayers(cfg: Config, L: int, t: int) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # FLOPs and the roofline step time.
-
-
-@functools.lru_cache(maxsize=256)
-def _count_params(mcfg, embeddings: bool) -> int:
-    """Non-embedding (or all) parameters a token uses: an MoE layer's k routed experts, not all."""
-    return model.count_params(mcfg, embeddings=embeddings, active=True)  # (builds the shapes: cached)
-
-
-def model_flops_per_token(cfg: Config) -> float:
-    """6·N + 12·L·d_attn·S (DESIGN.md §6.1): N the non-embedding parameters a token uses (MoE:
-    the active ones), d_attn = n_heads x head_dim (d_model unless head_dim is set), causal
-    attention not halved."""
-    m = cfg.model
-    return 6 * _count_params(m, False) + 12 * m.n_layers * m.n_heads * m.head_size * m.seq_len
 
 
 def hardware_flops_per_token(cfg: Config, p: int) -> float:

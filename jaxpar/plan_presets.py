@@ -1,49 +1,12 @@
-"""Presets of `python -m jaxpar.plan`: published model shapes and GPU datasheet figures.
+"""Presets of `python -m jaxpar.plan`: published model shapes, and the GPU datasheet figures of
+`jaxpar.hardware` (re-exported here).
 
-Model presets are shapes only (the `model` section of a config, plus a typical global batch);
-hardware presets are the vendor's datasheet numbers, named as such: dense (no sparsity) tensor-core
-peaks, and per-GPU, per-direction link bandwidths.
+Model presets are shapes only (the `model` section of a config, plus a typical global batch).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """One accelerator model and how its nodes are wired."""
-
-    name: str
-    memory_bytes: int
-    """HBM per device, as the datasheet states it (decimal GB)."""
-    peak_flops: float
-    """Dense bf16/fp16 tensor-core peak, FLOP/s."""
-    peak_flops_fp32: float
-    """Dense TF32 tensor-core peak, FLOP/s (what XLA uses for float32 matmuls on these GPUs)."""
-    intra_node_bw: float
-    """NVLink bytes/s one GPU sends in one direction (half the datasheet's bidirectional figure)."""
-    inter_node_bw: float
-    """InfiniBand bytes/s per GPU in one direction (one NIC per GPU)."""
-    node_size: int = 8
-    """GPUs per node (one NVLink domain)."""
-    hbm_bw: float = 2.0e12
-    """HBM bytes/s (the datasheet's memory bandwidth): what the memory-bound parts of a step run at."""
-
-
-GB = 10**9
-
-HARDWARE = {
-    # NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 156 TF32 dense, NVLink 3 600 GB/s bidirectional,
-    # HDR InfiniBand 200 Gb/s per GPU, HBM 1555 GB/s (40GB) and 2039 GB/s (80GB).
-    "a100-40gb": Hardware("A100-SXM4-40GB", 40 * GB, 312e12, 156e12, 300e9, 25e9, hbm_bw=1555e9),
-    "a100-80gb": Hardware("A100-SXM4-80GB", 80 * GB, 312e12, 156e12, 300e9, 25e9, hbm_bw=2039e9),
-    # NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), 494 TF32 dense,
-    # NVLink 4 900 GB/s bidirectional, NDR InfiniBand 400 Gb/s per GPU, HBM3 3.35 TB/s.
-    "h100-80gb": Hardware("H100-SXM5-80GB", 80 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=3.35e12),
-    # NVIDIA H200 SXM datasheet: H100's compute and NVLink, 141 GB HBM3e at 4.8 TB/s.
-    "h200-141gb": Hardware("H200-SXM-141GB", 141 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=4.8e12),
-}
+from jaxpar.hardware import GB, HARDWARE, Hardware  # noqa: F401 (re-exported: the hardware presets)
 
 
 def _model(arch, L, D, N, F, V, S, K=None, theta=10000.0, batch=512, **options):

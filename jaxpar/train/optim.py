@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.config import TrainConfig
+from jaxpar.parallel.reduction import upcast_at_use  # noqa: F401 (re-exported: train.step reads it here)
 
 
 def lr_schedule(tr: TrainConfig) -> optax.Schedule:
@@ -86,15 +87,3 @@ def make_optimizer(tr: TrainConfig, names: Any) -> optax.GradientTransformation:
     if tr.master_weights != "none":
         return with_master_weights(opt, jnp.dtype(tr.master_weights))
     return opt
-
-
-def upcast_at_use(cfg, data: int, stage: int) -> bool:
-    """With master weights, whether the float32 upcast of each parameter happens where a layer
-    uses it (the per-layer all-reduce of ZeRO-0/1 with one microbatch, data > 1, no pipeline:
-    reduced in float32, stored in 16 bits) rather than as a float32 copy of the stored parameters
-    that the step differentiates (everywhere else). `jaxpar.train.step` and `jaxpar.costs` both ask."""
-    from jaxpar.parallel.gradients import reduction
-
-    # ZeRO-1/2 reduce-scatter at use into float32 seeds (`jaxpar.parallel.gradients.Handout`).
-    return (cfg.train.master_weights != "none" and cfg.parallel.zero in (0, 1, 2) and stage == 1
-            and reduction(cfg, data, stage).at_use)
