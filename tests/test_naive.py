@@ -93,10 +93,10 @@ def test_gradients_funnel_into_device_0_and_parameters_fan_out_from_it(compiled_
     sent, received = (x.ravel() for x in compiled_device_traffic(compiled, mesh))
     # Reduce to the root: each other rank sends its gradient and partial loss (4 bytes) to device 0,
     # once; device 0 receives d - 1 of them. Broadcast: device 0 sends the new parameters with the
-    # loss, the gradient norm and the finite flag (3 x 4 bytes) to each other rank.
+    # loss and the gradient norm (2 x 4 bytes; each rank applies train.on_nan to them) to each other rank.
     assert received[0] == (d - 1) * (psi4 + 4)
-    assert sent[0] == (d - 1) * (psi4 + 12)
-    assert (sent[1:] == psi4 + 4).all() and (received[1:] == psi4 + 12).all()
+    assert sent[0] == (d - 1) * (psi4 + 8)
+    assert (sent[1:] == psi4 + 4).all() and (received[1:] == psi4 + 8).all()
     # DDP for contrast: every device moves the same ring all-reduce bytes, 2(d-1)/d of the gradients.
     ddp, ddp_mesh = lower_step(medium("ddp"))
     ddp_sent, _ = compiled_device_traffic(ddp, ddp_mesh)

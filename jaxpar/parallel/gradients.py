@@ -257,17 +257,7 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
             return jax.value_and_grad(loss_of)(diff)
 
     def accumulate(diff, params, batch):
-        if m == 1:
-            return grads_of(diff, params, batch)
-        # Every microbatch inside the loop (one microbatch's activations live at a time), into a
-        # float32 accumulator typed like what it sums: a gradient has its primal's shape and
-        # manual-axis variance.
-        def body(acc, rows):
-            loss, g = grads_of(diff, params, rows)
-            return microbatches.add_f32(acc, g), loss
-
-        acc, losses = jax.lax.scan(body, microbatches.f32_zeros(diff), microbatches.split(batch, m))
-        return jnp.sum(losses), jax.tree.map(lambda a, x: a.astype(x.dtype), acc, diff)
+        return microbatches.accumulate(lambda rows: grads_of(diff, params, rows), diff, batch, m)
 
     def local(params, batch):
         if at_use:  # reduced where used: ZeRO-1/2 through seeds, ZeRO-0 and ZeRO-3 through param_fn

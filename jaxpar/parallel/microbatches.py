@@ -1,6 +1,7 @@
 """What gradient accumulation (`jaxpar.parallel.gradients`) and the pipeline
 (`jaxpar.parallel.pipeline`) share about microbatches: the step's batch cut into them, the loss's
-one divisor, and the float32 accumulator their gradients add into. The parameters' hand-out at use
+one divisor, and the float32 accumulator their gradients add into; and the one accumulation loop
+(`accumulate`) of data parallelism, ZeRO and naive DP. The parameters' hand-out at use
 (ZeRO-1/2's seeds, ZeRO-3's marked shards) is shared too: `gradients.mark_for_use` and
 `gradients.hand_out`.
 
@@ -11,6 +12,8 @@ the same pieces.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,3 +44,35 @@ def add_f32(acc, *grads):
     for g in grads:
         acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
     return acc
+
+
+def accumulate(value_and_grad: Callable, like, batch: jax.Array, m: int):
+    """(summed loss, gradients) of `batch` in `m` microbatches: `value_and_grad(rows)` of each inside
+    one scan (one microbatch's activations live at a time), its gradients added into a float32
+    accumulator typed like `like` (a gradient has its primal's shape and manual-axis variance),
+    cast back to `like`'s dtypes at the end. With m = 1, `value_and_grad(batch)` itself."""
+    if m == 1:
+        return value_and_grad(batch)
+
+    def body(acc, rows):
+        loss, g = value_and_grad(rows)
+        return add_f32(acc, g), loss
+
+    acc, losses = jax.lax.scan(body, f32_zeros(like), split(batch, m))
+    return jnp.sum(losses), jax.tree.map(lambda a, x: a.astype(x.dtype), acc, like)
+
+
+def guard_non_finite(on_nan: str, loss: jax.Array, grad_norm: jax.Array, step: jax.Array,
+                     skipped: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`train.on_nan`, the one rule of every step (DDP/ZeRO, pipeline, naive): a non-finite loss or
+    gradient norm drops the update and is counted; with `stop`, the first such step also freezes
+    the state (step count included), so that what the loop saves when it sees the count, a step or
+    two later, is exactly the state before the bad step. Returns (apply the update?, the next step
+    count, the next skipped count)."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if on_nan == "stop":
+        ok = finite & (skipped == 0)
+        next_step = jnp.where(ok, step + 1, step)
+    else:
+        ok, next_step = finite, step + 1
+    return ok, next_step, skipped + (~finite).astype(jnp.int32)

@@ -13,7 +13,7 @@ of `data`, `ROOT`):
    other ranks skip it; the optimizer state has one slot per rank (a leading dim of size d,
    sharded over `data`) and only slot 0 is ever read or written: the others stay zeros;
 4. broadcast from the root: d - 1 collective-permutes {0 -> r} carry the new parameters (with the
-   loss, the gradient norm and the finite flag) to every other rank; rank 0 sends d - 1 copies.
+   loss and the gradient norm) to every other rank; rank 0 sends d - 1 copies.
 
 In the compiled step this is 2(d - 1) collective-permutes over `data` and no all-reduce over
 `data` at all. A ring-pipelined reduce or broadcast (NCCL's) would move only one copy through rank
@@ -132,19 +132,8 @@ def _shard_grads(cfg: Config, mesh: Mesh, loss_fn: Callable) -> Callable:
         with activation_rules(mesh, rules):
             return jax.value_and_grad(lambda p: loss_fn(p, rows, n_tokens))(params)
 
-    def local(params, rows):
-        if m == 1:
-            return grads_of(params, rows)
-        micro = microbatches.split(rows, m)
-        loss, g = grads_of(params, micro[0])
-
-        def body(carry, r):
-            acc_loss, acc = carry
-            loss, g = grads_of(params, r)
-            return (acc_loss + loss, microbatches.add_f32(acc, g)), None
-
-        (loss, acc), _ = jax.lax.scan(body, (loss, jax.tree.map(lambda x: x.astype(jnp.float32), g)), micro[1:])
-        return loss, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+    def local(params, rows):  # the accumulation of DDP and ZeRO, on this rank's rows
+        return microbatches.accumulate(lambda r: grads_of(params, r), params, rows, m)
 
     return local
 
@@ -166,75 +155,48 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
 def make_step(cfg: Config, mesh: Mesh, layout: Layout, inner: optax.GradientTransformation,
               schedule: optax.Schedule, loss_fn: Callable, state_type: type) -> Callable:
     """The naive train step `(state, batch) -> (state, metrics)`, with the semantics of
-    `jaxpar.train.step.build`'s step (clipping and AdamW by `inner`, train.on_nan)."""
+    `jaxpar.train.step.build`'s step (clipping and AdamW by `inner`; train.on_nan by
+    `microbatches.guard_non_finite`, decided on the root and again, identically, from the
+    broadcast loss and norm)."""
     d, local = mesh.shape[DATA], _shard_grads(cfg, mesh, loss_fn)
-    stop = cfg.train.on_nan == "stop"
+    on_nan = cfg.train.on_nan
     param_specs = layout.manual_specs("params", {DATA})
 
-    def body(params, opt_slots, skipped, rows):
+    def body(params, opt_slots, step, skipped, rows):
         loss, g = reduce_to_root(local(params, rows), d)
         opt = canonical_opt_state(opt_slots)  # this rank's slot: [1, ...] -> [...]
 
         def update(_):
             grad_norm = optax.tree.norm(g)
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            ok = finite & (skipped == 0) if stop else finite
+            ok = microbatches.guard_non_finite(on_nan, loss, grad_norm, step, skipped)[0]
             updates, new_opt = inner.update(g, opt, params)
             new_params = optax.apply_updates(params, updates)
             new_params, new_opt = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
                                                (new_params, new_opt), (params, opt))
-            return new_params, new_opt, grad_norm.astype(jnp.float32), finite.astype(jnp.int32)
+            return new_params, new_opt, grad_norm.astype(jnp.float32)
 
         def idle(_):  # every rank but the root: no optimizer work at all
-            return params, opt, jnp.zeros((), jnp.float32), jnp.ones((), jnp.int32)
+            return params, opt, jnp.zeros((), jnp.float32)
 
-        new_params, new_opt, grad_norm, finite = jax.lax.cond(jax.lax.axis_index(DATA) == ROOT, update, idle, None)
-        new_params, loss, grad_norm, finite = broadcast_from_root((new_params, loss, grad_norm, finite), d)
-        return new_params, jax.tree.map(lambda x: x[None], new_opt), loss, grad_norm, finite
+        new_params, new_opt, grad_norm = jax.lax.cond(jax.lax.axis_index(DATA) == ROOT, update, idle, None)
+        new_params, loss, grad_norm = broadcast_from_root((new_params, loss, grad_norm), d)
+        return new_params, jax.tree.map(lambda x: x[None], new_opt), loss, grad_norm
 
-    def run(params, opt_slots, skipped, batch):
+    def run(params, opt_slots, step, skipped, batch):
         opt_specs = jax.tree.map(lambda _: P(DATA), opt_slots)
-        return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, opt_specs, P(), P(DATA)),
-                             out_specs=(param_specs, opt_specs, P(), P(), P()), axis_names={DATA},
-                             check_vma=False)(params, opt_slots, skipped, batch)
+        return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, opt_specs, P(), P(), P(DATA)),
+                             out_specs=(param_specs, opt_specs, P(), P()), axis_names={DATA},
+                             check_vma=False)(params, opt_slots, step, skipped, batch)
 
     def step(state, batch):
-        params, opt_state, loss, grad_norm, finite = run(state.params, state.opt_state, state.skipped, batch)
-        finite = finite.astype(bool)
-        skipped = state.skipped + (~finite).astype(jnp.int32)
-        ok = finite & (state.skipped == 0) if stop else finite
-        next_step = jnp.where(ok, state.step + 1, state.step) if stop else state.step + 1
+        params, opt_state, loss, grad_norm = run(state.params, state.opt_state, state.step, state.skipped, batch)
+        _, next_step, skipped = microbatches.guard_non_finite(on_nan, loss, grad_norm, state.step, state.skipped)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "skipped_steps": skipped}
         return state_type(next_step, params, opt_state, skipped), metrics
 
     return step
 
 
-def build(cfg: Config, mesh: Mesh, layout: Layout, inner: optax.GradientTransformation, schedule: optax.Schedule,
-          loss_fn: Callable, shapes: Any, batch_sharding: NamedSharding):
-    """The `Program` of `jaxpar.train.step` for naive mode (called from `jaxpar.train.step.build`)."""
-    from jaxpar import model
-    from jaxpar.train.step import Program, TrainState
-
-    d = mesh.shape[DATA]
-    optimizer = root_optimizer(inner, d)
-    replicated = NamedSharding(mesh, P())
-    param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.params, is_leaf=lambda x: isinstance(x, P))
-    opt_shardings = jax.tree.map(lambda _: NamedSharding(mesh, P(DATA)), jax.eval_shape(optimizer.init, shapes))
-    state_shardings = TrainState(replicated, param_shardings, opt_shardings, replicated)
-    step = make_step(cfg, mesh, layout, inner, schedule, loss_fn, TrainState)
-    loss_and_grads = make_loss_and_grads(cfg, mesh, layout, loss_fn)
-
-    def init(key):
-        params = model.init_params(cfg.model, key)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jnp.zeros((), jnp.int32))
-
-    return Program(
-        cfg=cfg, mesh=mesh, layout=layout, optimizer=optimizer, state_shardings=state_shardings,
-        batch_sharding=batch_sharding,
-        init=jax.jit(init, out_shardings=state_shardings),
-        step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
-                     out_shardings=(state_shardings, replicated), donate_argnums=0),
-        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(param_shardings, batch_sharding),
-                               out_shardings=(replicated, param_shardings)),
-    )
+def opt_state_shardings(optimizer: optax.GradientTransformation, shapes: Any, mesh: Mesh) -> Any:
+    """The rooted optimizer state's shardings: one slot per `data` rank."""
+    return jax.tree.map(lambda _: NamedSharding(mesh, P(DATA)), jax.eval_shape(optimizer.init, shapes))

@@ -28,7 +28,9 @@ from jaxpar.config import Config, ConfigError, validate
 from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_mesh
 from jaxpar.model import moe
 from jaxpar.model.loss import cross_entropy, cross_entropy_sum  # noqa: F401 (the loss rule; cross_entropy re-exported)
+from jaxpar.parallel import naive
 from jaxpar.parallel.gradients import make_loss_and_grads
+from jaxpar.parallel.microbatches import guard_non_finite
 from jaxpar.parallel.zero import Layout, make_layout
 from jaxpar.sharding import compute_rules
 from jaxpar.train.data import has_loss_mask
@@ -112,14 +114,16 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     batch_sharding = NamedSharding(mesh, compute_rules(cfg, mesh).spec(("batch", None)))
     masked = has_loss_mask(cfg)
     if cfg.parallel.data_mode == "naive":  # torch DataParallel's pattern, for comparison: its own step
-        from jaxpar.parallel import naive
-
         if masked:
             raise ConfigError(f"data.source = {cfg.data.source!r} has a loss mask (chat data), which "
                               "parallel.data_mode = naive does not apply; use data_mode ddp.")
-
-        return naive.build(cfg, mesh, layout, optimizer, schedule, lambda p, rows, n: loss_fn(cfg, p, rows, n),
-                           shapes, batch_sharding)
+        naive_loss = lambda p, rows, n: loss_fn(cfg, p, rows, n)  # noqa: E731
+        rooted = naive.root_optimizer(optimizer, mesh.shape["data"])
+        return _program(cfg, mesh, layout, rooted, batch_sharding,
+                        TrainState(replicated, param_shardings, naive.opt_state_shardings(rooted, shapes, mesh),
+                                   replicated),
+                        naive.make_step(cfg, mesh, layout, optimizer, schedule, naive_loss, TrainState),
+                        naive.make_loss_and_grads(cfg, mesh, layout, naive_loss), param_shardings)
     opt_shapes = jax.eval_shape(optimizer.init, shapes)
     # ZeRO-Offload (parallel.offload: optimizer): the state lives in host memory between steps; the
     # update copies it in and its result out (per leaf, as XLA schedules the copies).
@@ -127,7 +131,6 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     opt_on_device = _opt_state_shardings(opt_shapes, moment_shardings, replicated)
     opt_stored = _opt_state_shardings(opt_shapes, moment_shardings, replicated, "pinned_host") if offload else opt_on_device
     state_shardings = TrainState(replicated, param_shardings, opt_stored, replicated)
-    on_nan = cfg.train.on_nan
     master = cfg.train.master_weights != "none"
     # Where 16-bit parameters become float32 for differentiation (README, "Master weights"). Where
     # gradients are all-reduced per layer as their parameter is used (ZeRO-0/1, one microbatch,
@@ -157,10 +160,6 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
             cfg, mesh, layout, table, lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size))
     else:
         loss_and_grads = make_loss_and_grads(cfg, mesh, layout, lambda p, rows, n: loss_fn(cfg, p, rows, n))
-
-    def init(key: jax.Array) -> TrainState:
-        params = model.init_params(cfg.model, key)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
     def grads_at(params, batch):
         # (MoE: each sequence's router losses weigh 1 / sequences of the step, `jaxpar.model.moe`.)
@@ -199,16 +198,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         # MoE: what the routers reported leaves the gradients here (zeros in its place).
         g, stats = moe.split_stats(cfg.model, g)
         grad_norm = optax.tree.norm(g)
-        # A non-finite loss or gradient drops the update (train.on_nan). With `stop`, the first such
-        # step also freezes the state (step count included), so what the loop saves when it sees the
-        # flag, a step or two later, is exactly the state before the bad step.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        skipped = state.skipped + (~finite).astype(jnp.int32)
-        if on_nan == "stop":
-            ok = finite & (state.skipped == 0)
-            next_step = jnp.where(ok, state.step + 1, state.step)
-        else:
-            ok, next_step = finite, state.step + 1
+        ok, next_step, skipped = guard_non_finite(cfg.train.on_nan, loss, grad_norm, state.step, state.skipped)
         # A `cond`, not a `where(ok, new, old)` over the state: the select keeps the old moments
         # alive beside the new ones, so XLA copies every donated moment (+16 bytes per parameter
         # of memory traffic a step); the branch updates them in place, as a plain step does.
@@ -219,14 +209,28 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
             metrics.update(moe.metrics(cfg.model, stats))
         return TrainState(next_step, params, opt_state, skipped), metrics
 
+    return _program(cfg, mesh, layout, optimizer, batch_sharding, state_shardings, step, grads_at, grad_shardings)
+
+
+def _program(cfg: Config, mesh: Mesh, layout: Layout, optimizer: optax.GradientTransformation,
+             batch_sharding: NamedSharding, state_shardings: TrainState, step: Callable, loss_and_grads: Callable,
+             grad_shardings: Any) -> Program:
+    """The one assembly of a `Program` (every data mode): `init` places fresh parameters and the
+    optimizer's state by `state_shardings`; `step` donates the state; `loss_and_grads` returns
+    the gradients laid out by `grad_shardings`."""
+    replicated = NamedSharding(mesh, P())
+
+    def init(key: jax.Array) -> TrainState:
+        params = model.init_params(cfg.model, key)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
     return Program(
         cfg=cfg, mesh=mesh, layout=layout, optimizer=optimizer, state_shardings=state_shardings,
         batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated), donate_argnums=0),
-        loss_and_grads=jax.jit(grads_at,
-                               in_shardings=(param_shardings, batch_sharding),
+        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(state_shardings.params, batch_sharding),
                                out_shardings=(replicated, grad_shardings)),
     )
 
