@@ -101,29 +101,24 @@ def main(argv=None) -> int:
     console = Console(stderr=False)
     try:
         cfg = load_config(args.config, args.overrides)
-        from jaxpar.mesh import make_mesh, start_processes, use_cpu_devices
-        from jaxpar.xla_flags import apply as apply_xla_flags
+        from jaxpar.logs import quiet_libraries
+        from jaxpar.train.loop import TrainingStopped, preflight, train
 
-        xla = apply_xla_flags(cfg)  # XLA reads XLA_FLAGS once, when the first backend starts
-        start_processes(cfg)  # a multi-process run joins before anything starts a JAX backend
-        use_cpu_devices(cfg.runtime.cpu_devices, cfg)
+        quiet_libraries()
+
+        # User errors surface before the summary and before anything is written; what the checks
+        # build (XLA flags, processes, data, mesh, program) is built once, here, for the run.
+        run = preflight(cfg)
         import jax
 
         from jaxpar import logs
         from jaxpar.train import progress as lines
-        from jaxpar.train.data import make_source
-        from jaxpar.train.loop import TrainingStopped, _tensorboard_writer, check_run_dir, train
 
-        # User errors surface before the summary and before anything is written.
-        check_run_dir(cfg)
-        if cfg.train.tensorboard:
-            _tensorboard_writer()  # tensorboardX installed (train() checks again, for API callers)
-        make_source(cfg)
-        mesh = make_mesh(cfg)
+        mesh = run.program.mesh
         is_main = jax.process_index() == 0
         if is_main:
             console.print(summary(cfg, mesh), highlight=False, soft_wrap=True)
-            console.print(f"xla     {xla.describe()}", highlight=False, soft_wrap=True)
+            console.print(f"xla     {run.xla.describe()}", highlight=False, soft_wrap=True)
         # A terminal gets a live bar and jaxpar's other lines above it; a batch job's log (stdout not
         # a terminal: SLURM, nohup, `| tee`) one full line per logged step instead.
         live = is_main and console.is_terminal
@@ -146,7 +141,7 @@ def main(argv=None) -> int:
                                 **{k: f[k] for k in ("val", "moe") if k in f})
 
             try:
-                records = train(cfg, mesh=mesh, callback=show if live else None)
+                records = train(cfg, callback=show if live else None, prepared=run)
             except TrainingStopped as e:
                 progress.stop()
                 print(f"error: {e}", file=sys.stderr)

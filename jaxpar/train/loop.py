@@ -34,6 +34,7 @@ jax.profiler into run_dir/profile; `train.tensorboard` mirrors the records as Te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -181,29 +182,38 @@ def _init_state(cfg: Config, program):
     return state
 
 
-def train(cfg: Config, *, mesh: Mesh | None = None,
-          callback: Callable[[dict], None] | None = None) -> History:
-    """Train `cfg` and return the logged metrics (a `History`: one dict per logged step).
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What a run checks and builds before it writes anything (`preflight`): once per run, for the
+    CLI (which prints its summary from it) and `train` alike."""
 
-    Each record has `step` (optimizer steps done), `loss` (on that step's batch, before its
-    update), `grad_norm` (before clipping), `lr`, `skipped_steps` (non-finite steps so far),
-    `step_time_s`, `tokens_per_s`, `model_tflops_per_device`, `mfu` (with a known peak),
-    `data_time_s`, `dispatch_time_s` and `device_wait_s` (per step, over the steps since the last
-    record; the rest of step_time_s is other host work: records, checkpoints); with
-    evaluation, `val_loss` and `val_ppl` at eval steps. `callback` is called with each record as
-    it is logged (the CLI's progress bar); each record is also logged as one line
-    (`jaxpar.train.progress`).
-    """
-    progress.default_handler()
+    cfg: Config
+    program: Any
+    """The `jaxpar.train.step.Program` (its mesh: `program.mesh`)."""
+    xla: Any
+    """What `jaxpar.xla_flags.apply` set."""
+    source: Any
+    eval_source: Any
+    summary_writer: Any
+    """tensorboardX's SummaryWriter class with train.tensorboard, else None."""
+    checkpoints: Checkpoints
+    resume_step: int | None
+    """The newest checkpoint to resume from (None: a fresh start)."""
+
+
+def preflight(cfg: Config, mesh: Mesh | None = None) -> Prepared:
+    """Everything a user can get wrong, checked before anything is written or compiled, and the
+    pieces of the run built once: XLA flags and processes (before a backend starts), the run
+    directory, TensorBoard, the data, the resume rules, the program (mesh, layout, shardings), the
+    checkpoint to resume from, and `model.init_from`'s folder against the config."""
     xla = apply_xla_flags(cfg)  # before anything can start a backend
     if xla.added:
         log.info("xla flags: %s", xla.describe())
     start_processes(cfg)
     use_cpu_devices(cfg.runtime.cpu_devices, cfg)
     tr = cfg.train
-    # Everything a user can get wrong is checked here, before anything is written or compiled.
     check_run_dir(cfg)
-    SummaryWriter = _tensorboard_writer() if tr.tensorboard else None
+    summary_writer = _tensorboard_writer() if tr.tensorboard else None
     source = make_source(cfg)
     eval_source = make_eval_source(cfg) if tr.eval_every > 0 else None
     ckpt = Checkpoints(cfg)
@@ -213,7 +223,28 @@ def train(cfg: Config, *, mesh: Mesh | None = None,
     if cfg.model.init_from is not None and resume_step is None:
         from jaxpar import hf
 
-        hf.check_matches(cfg.model, cfg.model.init_from)  # before anything is written
+        hf.check_matches(cfg.model, cfg.model.init_from)
+    return Prepared(cfg, program, xla, source, eval_source, summary_writer, ckpt, resume_step)
+
+
+def train(cfg: Config, *, mesh: Mesh | None = None, callback: Callable[[dict], None] | None = None,
+          prepared: Prepared | None = None) -> History:
+    """Train `cfg` and return the logged metrics (a `History`: one dict per logged step).
+
+    Each record has `step` (optimizer steps done), `loss` (on that step's batch, before its
+    update), `grad_norm` (before clipping), `lr`, `skipped_steps` (non-finite steps so far),
+    `step_time_s`, `tokens_per_s`, `model_tflops_per_device`, `mfu` (with a known peak),
+    `data_time_s`, `dispatch_time_s` and `device_wait_s` (per step, over the steps since the last
+    record; the rest of step_time_s is other host work: records, checkpoints); with
+    evaluation, `val_loss` and `val_ppl` at eval steps. `callback` is called with each record as
+    it is logged (the CLI's progress bar); each record is also logged as one line
+    (`jaxpar.train.progress`). `prepared`: the run's `preflight` already done (the CLI's), else
+    done here.
+    """
+    progress.default_handler()
+    run = preflight(cfg, mesh) if prepared is None else prepared
+    tr, program, ckpt, resume_step = cfg.train, run.program, run.checkpoints, run.resume_step
+    SummaryWriter, source, eval_source = run.summary_writer, run.source, run.eval_source
 
     writer = jax.process_index() == 0
     metrics_path = os.path.join(tr.run_dir, "metrics.jsonl")
