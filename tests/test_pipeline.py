@@ -379,8 +379,8 @@ def test_random_valid_tables_give_the_sequential_gradients(p, m, split, v, seed)
     (["parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2", "parallel.microbatches=2",
       "train.global_batch=16"], "microbatches=2 is fewer than stages=4: interleaved_1f1b needs"),
     (["parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=4", "parallel.microbatches=4",
-      "train.global_batch=16"], "model.n_layers = 8 cannot be split evenly into mesh.stage x "
-                                "parallel.virtual_stages = 4 x 4 = 16"),
+      "train.global_batch=16"], "mesh.stage x parallel.virtual_stages = 4 x 4 = 16 pipeline chunks need at "
+                                "least 16 layers (one per chunk), but model.n_layers = 8"),
 ])
 def test_pipeline_bad_input(overrides, message):
     cfg = load_config(None, ["mesh.data=2", "mesh.stage=4", "model.n_layers=8", *overrides])
