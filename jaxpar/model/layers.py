@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.lse_attention import lse_attention, working_set_attention
-from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, enter_tp, exit_tp, local_kv_heads, tensor_parallel, varying_axes, vary
+from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, exit_tp, local_kv_heads, tensor_parallel, varying_axes, vary
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str, ...], dtype, std: float | None = None,
@@ -424,57 +424,3 @@ class MLP(nnx.Module):
         if self.arch == "gpt2":
             out_BxTxD += self.b_down[...].astype(dt)
         return out_BxTxD
-
-
-class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = norm(cfg)
-        self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = norm(cfg)
-        if cfg.moe:
-            from jaxpar.model.moe import MoE  # (moe builds on this module's layers)
-
-            self.mlp = MoE(cfg, rngs=rngs)
-        else:
-            self.mlp = MLP(cfg, rngs=rngs)
-
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        # The residual stream and the norms live on `sp_seq` (split over `model` by sequence
-        # parallelism); each sub-layer takes the whole sequence at its input (`enter_tp`) and
-        # reduces its row-parallel output back onto the residual (`exit_tp`): per sub-layer one
-        # all-reduce each way, or a reduce-scatter + all-gather pair under SP.
-        x_BxTxD = x_BxTxD + self.attn(enter_tp(self.attn_norm(x_BxTxD)))
-        if getattr(self.mlp, "routes_sequence_shard", lambda: False)():  # MoE, experts whole on each model rank
-            return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), sequence_shard=True)
-        return x_BxTxD + self.mlp(enter_tp(self.mlp_norm(x_BxTxD)))
-
-
-# Blocks by name (`model.block`): research code registers its own and every strategy (pipeline
-# stages, tensor parallelism through the TP marks, ZeRO through the logical names) runs it.
-BLOCKS: dict[str, type] = {"pre_norm": Block}
-
-
-def register_block(name: str):
-    """Class decorator: make an `nnx.Module` block selectable as `model.block: <name>`.
-
-    The class is built as `cls(cfg: ModelConfig, *, rngs=nnx.Rngs)` and called on the residual
-    stream `x [B, T, D] -> [B, T, D]`. Create parameters with `param(...)` and logical dim names,
-    and wrap tensor-parallel regions in `enter_tp` / `exit_tp` as `Block` does (`Attention` and
-    `MLP` already contain theirs), so that sharding, ZeRO and the pipeline apply unchanged."""
-    def add(cls):
-        BLOCKS[name] = cls
-        return cls
-
-    return add
-
-
-def block_class(cfg: ModelConfig) -> type:
-    from jaxpar.config import ConfigError
-
-    if cfg.block not in BLOCKS:
-        raise ConfigError(f"model.block = {cfg.block!r} is not a registered block (registered: "
-                          f"{', '.join(sorted(BLOCKS))}); register it with jaxpar.model.register_block before "
-                          "building the model, or set model.block=pre_norm.")
-    return BLOCKS[cfg.block]

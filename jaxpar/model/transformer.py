@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.layers import active_split, block_class, linear, norm, param
+from jaxpar.model.blocks import block_class
+from jaxpar.model.layers import active_split, linear, norm, param
 from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
 
 Params = dict[str, Any]
