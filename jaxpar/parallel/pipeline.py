@@ -4,7 +4,7 @@ Layers are cut into p contiguous chunks (stage s holds layers [s·L/p, (s+1)·L/
 canonical `[layers, ...]` parameters, whose `layers` dim the storage rules already place on
 `stage`). Uneven stages and a mixed model's dense first layers run as layer slots
 (`jaxpar.parallel.stages`): the stacks are then stored with `stage` on another dim, one all-to-all
-hands each stage its slots (`_to_slots`) and an unfilled slot is skipped. The executor is a
+hands each stage its slots (`buffers.to_slots`) and an unfilled slot is skipped. The executor is a
 `lax.scan` over the table's ticks inside one shard_map manual over `stage` (and over `data` and
 `model` where they have more than one shard): `Setup` holds what every stage knows before tracing,
 `_stage_step` is one stage's step, `StageRun.tick` the scan body over a `Carry`, and
@@ -60,7 +60,7 @@ from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.model.layers import split_backward, weight_gradient
 from jaxpar.model.transformer import block_bodies, block_kinds, scan_layers, stack, stack_prefix
-from jaxpar.parallel import microbatches
+from jaxpar.parallel import buffers, microbatches
 from jaxpar.parallel.schedules import validate
 from jaxpar.parallel.stages import chunk_model, stage_layout
 from jaxpar.parallel.zero import Layout
@@ -221,8 +221,8 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
         # Stage s runs chunks s, s + p, ..., s + (v-1)p: reorder the canonical [layers, ...] so
         # that each stage's contiguous slice holds them (a resharding of the block parameters
         # over `stage` every step, and of their gradients back; see README).
-        loss, grads = run({**params, "blocks": jax.tree.map(lambda w: _reorder(w, v, p), params["blocks"])}, batch)
-        return loss, {**grads, "blocks": jax.tree.map(lambda g: _reorder(g, p, v), grads["blocks"])}
+        loss, grads = run({**params, "blocks": jax.tree.map(lambda w: buffers.reorder(w, v, p), params["blocks"])}, batch)
+        return loss, {**grads, "blocks": jax.tree.map(lambda g: buffers.reorder(g, p, v), grads["blocks"])}
 
     return interleaved
 
@@ -234,11 +234,11 @@ def _stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
     stage = jax.lax.axis_index(STAGE)
     slots = setup.slots
     if slots.gather:  # this stage's chunks' layer slots, from the stacks stored over `stage` otherwise
-        params = {**params, "blocks": _by_kind(slots, params["blocks"], layout.stage_dims["blocks"],
-                                               lambda w, kind, sd: _to_slots(w, sd, slots.slots[kind], p, stage))}
+        params = {**params, "blocks": buffers.by_kind(slots, params["blocks"], layout.stage_dims["blocks"],
+                                               lambda w, kind, sd: buffers.to_slots(w, sd, slots.slots[kind], p, stage))}
     # The shared leaves (embeddings, final norm, head) are stored sharded over `stage` where
     # they are large (`Layout.stage_dims`): gathered here, for the step.
-    params = {k: w if k == "blocks" else jax.tree.map(_gather_stage, w, layout.stage_dims[k],
+    params = {k: w if k == "blocks" else jax.tree.map(buffers.gather_stage, w, layout.stage_dims[k],
                                                          is_leaf=lambda x: x is None or isinstance(x, int))
               for k, w in params.items()}
     param_fn = hand_out() if setup.reduction.at_use else None  # (ZeRO-3 gathers or ZeRO-2 scatters at use)
@@ -257,9 +257,9 @@ def _stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
                             g_blocks, params["blocks"], layout.zero_dims["blocks"], layout.experts["blocks"],
                             is_leaf=lambda x: x is None or isinstance(x, int))
     if slots.gather:  # back from the slots to the stacks' storage (a padding slot's gradient dropped)
-        g_blocks = _by_kind(slots, g_blocks, layout.stage_dims["blocks"],
-                            lambda g, kind, sd: _from_slots(g, sd, slots.layer_slot[kind], p, stage))
-    g_shared = {k: jax.tree.map(lambda g, w, dim, sdim: _reduce_stage(setup.reduce_data(g, dim), sdim).astype(w.dtype),
+        g_blocks = buffers.by_kind(slots, g_blocks, layout.stage_dims["blocks"],
+                            lambda g, kind, sd: buffers.from_slots(g, sd, slots.layer_slot[kind], p, stage))
+    g_shared = {k: jax.tree.map(lambda g, w, dim, sdim: buffers.reduce_stage(setup.reduce_data(g, dim), sdim).astype(w.dtype),
                                 done.g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k])
                 for k in done.g_shared}
     return jax.lax.psum(done.loss, (*setup.data_axes, STAGE)), {**g_shared, "blocks": g_blocks}
@@ -466,7 +466,7 @@ class StageRun:
         # not pay for). The shared parameters are bound inside the branch for that reason.
         x, pull_embed = jax.vjp(lambda sh: jax.lax.cond(
             first, lambda: model.bind(s.chunk_cfg, self.handed_shared(sh)).embed_tokens(tokens), lambda: x_in), sh)
-        embed_saved = self.stash_residuals("embed", pull_embed, _param_leaves(self.shared, sh))
+        embed_saved = self.stash_residuals("embed", pull_embed, buffers.param_leaves(self.shared, sh))
         split = s.table.split
 
         def layer(kind, xs, tap, i, carry):
@@ -484,7 +484,7 @@ class StageRun:
                 return out if self.stash_inputs else (out, {})
 
             y, pull, inputs = jax.vjp(f, {p_: w for p_, w in diff.items() if p_ not in fixed}, x, tap, has_aux=True)
-            saved = self.stash_residuals(kind, pull, _param_leaves(full_l, diff_l))
+            saved = self.stash_residuals(kind, pull, buffers.param_leaves(full_l, diff_l))
             if self.stash_inputs:
                 saved = (*saved, *self.stash_inputs_of(kind, saved, inputs))
             if st is None:
@@ -519,7 +519,7 @@ class StageRun:
         if stash is None:
             self.end_avals = [jax.typeof(r) for r in ends]
             return y, None, g_shared, loss
-        ends = tuple(_set_row(b, vary(r, varying_axes(b)).reshape(-1), slot) for b, r in zip(stash["ends"], ends))
+        ends = tuple(buffers.set_row(b, vary(r, varying_axes(b)).reshape(-1), slot) for b, r in zip(stash["ends"], ends))
         return y, {"ends": ends, "layers": layers}, g_shared, loss
 
     def backward(self, stash, slot, cot, k, g_shared):
@@ -528,17 +528,17 @@ class StageRun:
         layer) of the stash: (parameter gradients but the tapped weights', [n, ...] per path;
         `g_shared` plus the embedding's on the first chunk; the input's; the taps', (x, g) [n, ...]
         per tapped path). (I writes its
-        pairs for W into the slot after this loop, `_write_now`: written inside it, over the
+        pairs for W into the slot after this loop, `buffers.write_now`: written inside it, over the
         rows the loop reads, they made XLA copy every stash buffer per layer, measured.)"""
         s = self.s
         first, last = self.ends(k)
-        *embed_saved, dy = (_row(b, slot).reshape(a.shape) for b, a in zip(stash["ends"], self.end_avals))
+        *embed_saved, dy = (buffers.row(b, slot).reshape(a.shape) for b, a in zip(stash["ends"], self.end_avals))
 
         def layer(kind, xs, _, i, g):
             full_l, diff_l = xs
             saved = [jax.lax.dynamic_slice(b, (slot, i, 0), (1, 1, b.shape[2])).reshape(a.shape)
                      for b, a in zip(stash["layers"][kind], self.layer_avals[kind])]
-            d_rest, dx, d_tap = self.pullback(kind, saved, _param_leaves(full_l, diff_l))(g)
+            d_rest, dx, d_tap = self.pullback(kind, saved, buffers.param_leaves(full_l, diff_l))(g)
             return dx, (d_rest, d_tap)
 
         dx, outs = scan_layers(s.chunk_cfg, self.kind_stacks(k), jnp.where(last, dy, cot), layer, reverse=True)
@@ -548,7 +548,7 @@ class StageRun:
         # The embedding's gradient: the first chunk's only (a cond: the others skip its pullback
         # and fill no vocabulary-sized zeros).
         g_shared = jax.lax.cond(first, lambda g: microbatches.add_f32(
-            g, self.pullback("embed", embed_saved, _param_leaves(self.shared, sh))(dx)[0]), lambda g: g, g_shared)
+            g, self.pullback("embed", embed_saved, buffers.param_leaves(self.shared, sh))(dx)[0]), lambda g: g, g_shared)
         return d_rest, g_shared, dx, d_taps
 
     def stashed_input(self, stash, slot, path):
@@ -581,7 +581,7 @@ class StageRun:
     def add(acc, grads, k):
         # (A dynamic-update-slice of the chunk's row, not `.at[k].add`: XLA lowers that scatter
         # to a select over the whole row, reading it twice.)
-        return {**acc, **{k_: _set_row(acc[k_], _row(acc[k_], k) + g.astype(jnp.float32), k)
+        return {**acc, **{k_: buffers.set_row(acc[k_], buffers.row(acc[k_], k) + g.astype(jnp.float32), k)
                           for k_, g in grads.items()}}
 
     # -- the loop ----------------------------------------------------------------------------
@@ -627,7 +627,7 @@ class StageRun:
         self.packing = {}
         for kind in self.kinds:
             bufs = stash["layers"][kind]
-            packed = _pack({key: it for key, it in items.items() if key[0] in self.kind_paths[kind]},
+            packed = buffers.pack({key: it for key, it in items.items() if key[0] in self.kind_paths[kind]},
                            [((0,) if (kind, j) in kept else b.shape[2:], b.dtype, varying_axes(b))
                             for j, b in enumerate(bufs)])
             self.packing.update({key: (kind, *where) for key, where in packed.items()})
@@ -667,14 +667,14 @@ class StageRun:
             # (The stash slot is read in here, layer by layer, not before the cond: a slice of
             # every residual leaf, megabytes, copied on every tick would cost more than the
             # matmuls of an idle tick.)
-            cot = _row(bwd_buf, row["b_in"][stage] + row["i_in"][stage])
+            cot = buffers.row(bwd_buf, row["b_in"][stage] + row["i_in"][stage])
             d_rest, g_shared, dx, d_taps = self.backward(bufs[0], row["b_stash"][stage] + row["i_stash"][stage], cot,
                                                          bk, g_shared)
             d_taps = {k_: tuple(None if a is None else vary(a, taps[k_][4]) for a in xg)
                       for k_, xg in (d_taps or {}).items()}
             if split_i:
                 new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg) if a is not None}
-                bufs = _write_now(bufs, packing, new, row["i_stash"][stage], row["i_wstash"][stage], _after(dx))
+                bufs = buffers.write_now(bufs, packing, new, row["i_stash"][stage], row["i_wstash"][stage], buffers.after(dx))
                 d_taps = {}
             return self.add(acc, d_rest, bk), g_shared, dx, d_taps, bufs if split_i else ()
 
@@ -696,7 +696,7 @@ class StageRun:
             if table.rows["b_valid"].any():
                 g_blocks = self.add(g_blocks, jax.lax.cond(bv > 0, lambda: self.weight_grads(d_taps), zero_w), bk)
             def run_w(acc, bufs):  # (read and accumulated inside the cond: idle ticks touch neither)
-                got = _read_items(*bufs, packing, row["w_stash"][stage], row["w_wstash"][stage])
+                got = buffers.read_items(*bufs, packing, row["w_stash"][stage], row["w_wstash"][stage])
                 got.update({(k_, 0): self.stashed_input(bufs[0], row["w_stash"][stage], k_) for k_ in self.x_source})
                 return self.add(acc, self.weight_grads({k_: (got[(k_, 0)], got[(k_, 1)]) for k_ in taps}),
                                 row["w_chunk"][stage])
@@ -707,18 +707,18 @@ class StageRun:
         # Every write of the stash and wstash after every read of them has been consumed (else
         # XLA keeps a copy of the whole buffer): I's outputs for W into its own slot, over the
         # residuals it has consumed (and the wstash), then F's residuals into its slot.
-        after = _after(dx, *dw.values())
+        after = buffers.after(dx, *dw.values())
         if table.split and not split_i:
             new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
-            stash, wstash = _write_items(stash, wstash, packing, new, iv > 0, row["i_stash"][stage],
+            stash, wstash = buffers.write_items(stash, wstash, packing, new, iv > 0, row["i_stash"][stage],
                                          row["i_wstash"][stage], after)
         # F last, its residuals written into its slot inside its own cond: a tick without F
         # neither fills a slot's worth of zeros nor writes (B has read its slot above: a slot B
         # frees may be the one F fills in the same tick). The residuals' structure B unflattens
         # was fixed by `initial_carry`'s trace of F.
-        # F's input waits for B's and W's results (`_after`): its cond runs after theirs.
+        # F's input waits for B's and W's results (`buffers.after`): its cond runs after theirs.
         def run_f(stash, g_shared):
-            x_f = after(_row(fwd_buf, row["f_in"][stage]))
+            x_f = after(buffers.row(fwd_buf, row["f_in"][stage]))
             return self.forward(x_f, fmb, fk, stash, row["f_stash"][stage], g_shared)
 
         # (Only the first chunk's B, the embedding, and the last chunk's F, the head, add to the
@@ -735,141 +735,6 @@ class StageRun:
         # (Under a cond, not a select with the row's old contents: a tick where nothing arrives
         # neither reads nor writes the buffer.)
         rf, rb = row["f_recv"][stage], row["b_recv"][stage]
-        fwd_buf = jax.lax.cond(rf >= 0, lambda b: _set_row(b, recv_f, rf), lambda b: b, fwd_buf)
-        bwd_buf = jax.lax.cond(rb >= 0, lambda b: _set_row(b, recv_b, rb), lambda b: b, bwd_buf)
+        fwd_buf = jax.lax.cond(rf >= 0, lambda b: buffers.set_row(b, recv_f, rf), lambda b: b, fwd_buf)
+        bwd_buf = jax.lax.cond(rb >= 0, lambda b: buffers.set_row(b, recv_b, rb), lambda b: b, bwd_buf)
         return Carry(fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss), None
-
-
-def _row(buf: jax.Array, i: jax.Array) -> jax.Array:
-    """`buf[i]` along the leading dim, `i` traced and in bounds."""
-    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
-
-
-def _set_row(buf: jax.Array, x: jax.Array, i: jax.Array) -> jax.Array:
-    """`buf.at[i].set(x)` as one dynamic-update-slice, in place (`.at[i].set` with a traced index is
-    a scatter, which XLA:CPU runs as a select over the row that reads it as well)."""
-    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
-
-
-def _after(*read_results: jax.Array) -> Callable[[jax.Array], jax.Array]:
-    """`write -> write` made to depend on what a read of the same buffer computed (adding an exact
-    -0.0): a tick reads a stash slot (B, W) and writes another (F, I), and unless the write waits
-    for the read's consumer XLA keeps a second copy of the whole buffer, every tick (measured:
-    twice the stash's temp bytes). Integer writes are left as they are (small: token ids)."""
-    z = sum(jnp.ravel(r)[0].astype(jnp.float32) for r in read_results) if read_results else None
-
-    def dep(x: jax.Array) -> jax.Array:
-        # (Not where z varies over an axis x does not: the sum would change x's type; those
-        # leaves keep their copy, e.g. small RoPE tables under tensor parallelism.)
-        if z is None or not jnp.issubdtype(x.dtype, jnp.floating) or not set(varying_axes(z)) <= set(varying_axes(x)):
-            return x
-        zero = jnp.where(jnp.isfinite(z), -jnp.abs(z) * 0.0, -0.0)  # -0.0, never NaN: x + -0.0 == x
-        return x + vary(zero, varying_axes(x)).astype(x.dtype)
-    return dep
-
-
-def _pack(items: dict, bins: list) -> dict:
-    """Where each of I's outputs for W goes in its stash slot: `items` key -> (shape, dtype, manual
-    axes), `bins` the stash leaves' (shape of one slot, dtype, axes); returns key -> (leaf, offset in
-    the leaf's flat slot, the item's shape) for the items that fit: largest first, each into the
-    leaf of the same dtype and manual-axis type with the least room that holds it (best fit: an
-    item lands in a residual of its own size where there is one, e.g. an output cotangent over the
-    matmul output it differentiates; measured, first fit into the attention probabilities held
-    19% more temp memory). With `remat: none` a slot's residuals hold everything W needs, so the
-    wstash stays empty; with `dots` or `full` the slot is smaller and the rest goes there."""
-    free = [int(np.prod(shape)) for shape, _, _ in bins]
-    out = {}
-    for key in sorted(items, key=lambda k: -int(np.prod(items[k][0]))):
-        shape, dtype, axes = items[key]
-        n = int(np.prod(shape))
-        fits = [i for i, (_, bdtype, baxes) in enumerate(bins)
-                if bdtype == dtype and tuple(sorted(baxes)) == tuple(sorted(axes)) and free[i] >= n]
-        if fits:
-            i = min(fits, key=lambda j: free[j])  # best fit
-            out[key] = (i, int(np.prod(bins[i][0])) - free[i], tuple(shape))
-            free[i] -= n
-    return out
-
-
-def _read_items(stash, wstash, packing, slot, wslot) -> dict:
-    """W's inputs of one (microbatch, chunk), [layers, ...] per item: from its stash slot where
-    `_pack` put them (per layer, in that layer's row), the rest from its wstash slot."""
-    out = {key: buf[wslot] for key, buf in wstash.items()}
-    for key, (kind, i, off, shape) in packing.items():
-        buf = stash["layers"][kind][i]
-        out[key] = jax.lax.dynamic_slice(buf, (slot, 0, off), (1, buf.shape[1], int(np.prod(shape)))).reshape(
-            buf.shape[1], *shape)
-    return out
-
-
-def _write_now(bufs, packing, new, slot, wslot, after):
-    """I's outputs for W ([layers, ...] each) written into its stash slot (where `_pack` put them)
-    and its wstash slot: `bufs` = (stash, wstash) -> the same, updated in place."""
-    stash, wstash = bufs
-    layers = {kind: list(b) for kind, b in stash["layers"].items()}
-    for key, (kind, i, off, _) in packing.items():
-        b = layers[kind][i]
-        layers[kind][i] = jax.lax.dynamic_update_slice(b, after(new[key]).reshape(1, b.shape[1], -1), (slot, 0, off))
-    wstash = {key: _set_row(buf, after(new[key]), wslot) for key, buf in wstash.items()}
-    return {**stash, "layers": {kind: tuple(b) for kind, b in layers.items()}}, wstash
-
-
-def _write_items(stash, wstash, packing, new, valid, slot, wslot, after):
-    """`_write_now` under a cond on `valid`. (Not as a select with the slot's old contents:
-    reading those, XLA copied every packed stash buffer twice per tick.)"""
-    return jax.lax.cond(valid, lambda bufs: _write_now(bufs, packing, new, slot, wslot, after), lambda bufs: bufs,
-                        (stash, wstash))
-
-
-def _gather_stage(w: jax.Array, dim: int | None) -> jax.Array:
-    """A shared leaf stored sharded over `stage` all-gathered along its stage dim (else as is)."""
-    return w if dim is None else jax.lax.all_gather(w, STAGE, axis=dim, tiled=True)
-
-
-def _reduce_stage(g: jax.Array, dim: int | None) -> jax.Array:
-    """A shared leaf's gradient summed over `stage` (only the end stages contribute): reduce-scattered
-    along its stage dim where it is stored sharded over `stage`, else all-reduced."""
-    return jax.lax.psum(g, STAGE) if dim is None else jax.lax.psum_scatter(g, STAGE, scatter_dimension=dim, tiled=True)
-
-
-def _param_leaves(*trees) -> list:
-    """The leaves of parameter trees, in order: F matches its residuals against them by identity."""
-    return [w for tree in trees for w in jax.tree.leaves(tree)]
-
-
-def _by_kind(slots, blocks, dims, fn):
-    """`fn(leaf, kind, dim)` on every leaf of a `blocks` tree, with its stack's kind (the kinds of
-    `slots`, a `StageLayout`: "" for one stack, "dense" and "moe" for two) and its leaf of `dims`
-    (a tree of ints or None alike)."""
-    is_dim = lambda x: x is None or isinstance(x, int)  # noqa: E731
-    if list(slots.width) == [""]:
-        return jax.tree.map(lambda w, sd: fn(w, "", sd), blocks, dims, is_leaf=is_dim)
-    return {kind: jax.tree.map(lambda w, sd, kind=kind: fn(w, kind, sd), blocks[kind], dims[kind], is_leaf=is_dim)
-            for kind in slots.width}
-
-
-def _to_slots(w: jax.Array, dim: int | None, slots: np.ndarray, p: int, stage: jax.Array) -> jax.Array:
-    """A stack stored with its `layers` dim whole and `stage` on `dim` (None: replicated over
-    `stage`) -> this stage's [v·width, ...] layer slots (`jaxpar.parallel.stages`): every stage
-    picks all stages' slots from its slice, and one all-to-all over `stage` hands each stage its own
-    with `dim` whole (the bytes of its slots, once). Replicated: a local pick."""
-    if dim is None:
-        return jnp.take(w, jnp.asarray(slots.reshape(p, -1))[stage], axis=0)
-    return jax.lax.all_to_all(jnp.take(w, jnp.asarray(slots), axis=0), STAGE, 0, dim, tiled=True)
-
-
-def _from_slots(g: jax.Array, dim: int | None, layer_slot: np.ndarray, p: int, stage: jax.Array) -> jax.Array:
-    """The transpose of `_to_slots` for a gradient: this stage's slots back to the stack's storage,
-    each layer's gradient from its one slot (padding slots' dropped)."""
-    if dim is None:  # every stage's slots summed over `stage` (each layer has one slot)
-        every = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((p * g.shape[0], *g.shape[1:]), g.dtype), g,
-                                                   stage * g.shape[0], 0)
-        return jnp.take(jax.lax.psum(every, STAGE), jnp.asarray(layer_slot), axis=0)
-    return jnp.take(jax.lax.all_to_all(g, STAGE, dim, 0, tiled=True), jnp.asarray(layer_slot), axis=0)
-
-
-def _reorder(w: jax.Array, outer: int, inner: int) -> jax.Array:
-    """[outer, inner, chunk layers, ...] -> [inner, outer, ...] along the leading `layers` dim."""
-    chunk = w.shape[0] // (outer * inner)
-    w = w.reshape(outer, inner, chunk, *w.shape[1:]).swapaxes(0, 1)
-    return w.reshape(outer * inner * chunk, *w.shape[3:])
