@@ -14,4 +14,4 @@ from jaxpar import train  # the package, callable: train(cfg) runs jaxpar.train.
 from jaxpar.train import lower_step
 
 __all__ = ["Config", "ConfigError", "JaxparError", "load_config", "lower_step", "train"]
-__version__ = "0.1.0"
+from jaxpar.version import __version__

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from jaxpar.errors import JaxparError
+from jaxpar.errors import DataError, JaxparError  # noqa: F401  (DataError: jaxpar.data.DataError, public)
 from jaxpar.files import publish
 from jaxpar.tokenizer import Tokenizer, load_tokenizer
 
@@ -38,8 +38,6 @@ EXTENSIONS = (".txt", ".jsonl")
 SPLITS = ("train", "val")
 
 
-class DataError(JaxparError, ValueError):
-    """Data that cannot be prepared or cannot serve the configured model (missing, malformed, too short)."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar.data import DataError
+from jaxpar.errors import DataError
 
 
 class ChatError(DataError):

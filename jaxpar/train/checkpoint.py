@@ -46,6 +46,7 @@ from typing import Any
 import jax
 
 from jaxpar.config import Config, JaxparError, from_dict, to_yaml
+from jaxpar.version import __version__
 
 log = logging.getLogger("jaxpar")
 
@@ -53,8 +54,6 @@ SUBDIR = "checkpoints"
 
 
 def _version() -> str:
-    from jaxpar import __version__
-
     return __version__
 
 
