@@ -216,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
 
     jax.config.update("jax_platforms", "cpu")
     use_cpu_devices(DEVICES)  # jax_num_cpu_devices = 8, before anything starts a backend
-    from jaxpar.parallel.schedules import build, render_png, render_text
+    from jaxpar.parallel.schedules import build
+    from jaxpar.parallel.timeline import render_png, render_text
 
     for s in args.schedules:  # every config is checked before anything compiles
         for m in args.microbatches:

@@ -10,7 +10,8 @@ import pytest
 from jaxpar.parallel import schedules as schedules_module
 from jaxpar.parallel.schedules import (SCHEDULES, Action, Schedule, ScheduleError, build, check_slots, from_programs,
                                        gpipe, ideal_bubble, interleaved_1f1b, one_f_one_b, one_f_one_b_lockstep,
-                                       random_table, render_png, render_text, simulate, validate, zb_h1)
+                                       random_table, simulate, validate, zb_h1)
+from jaxpar.parallel.timeline import render_png, render_text
 from jaxpar.schedules import main
 
 

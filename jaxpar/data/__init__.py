@@ -418,7 +418,7 @@ def refuse_text(path: str) -> None:
     if path.endswith(EXTENSIONS):
         fix = f"tokenize it with `python -m jaxpar.data prepare --input {path} --out DIR`"
     else:  # prepare reads .txt and .jsonl files only
-        fix = f"rename it to a .txt file and tokenize that with `python -m jaxpar.data prepare --input FILE.txt --out DIR`"
+        fix = "rename it to a .txt file and tokenize that with `python -m jaxpar.data prepare --input FILE.txt --out DIR`"
     raise DataError(f"data file {path!r} is text, not token ids ({why}); {fix}, then set data.source to DIR.")
 
 
