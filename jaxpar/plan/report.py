@@ -1,13 +1,68 @@
 """What `python -m jaxpar.plan` prints: the header (model, step, the hardware planned for), the
-ranked table, the memory wall, and `--evaluate`'s account of one layout. The figures are
-`jaxpar.plan`'s (`estimate`, `plan`, `memory_wall`); nothing is costed here."""
+ranked table, the memory wall, `--evaluate`'s account of one layout, and the sentences that say
+why a layout does not fit. The figures are `jaxpar.plan.search`'s (`estimate`, `plan`,
+`memory_wall`); nothing is costed here."""
 
 from __future__ import annotations
 
 from jaxpar import model
-from jaxpar.costs import _BYTES, model_flops_per_token
-from jaxpar.costs_moe import describe_params, param_counts
-from jaxpar.plan import Estimate, _activ, _describe, _fixes, _human, _too_big, memory_wall
+from jaxpar.hardware import HARDWARE
+from jaxpar.model.flops import model_flops_per_token
+from jaxpar.plan.memory import _BYTES
+from jaxpar.plan.moe import describe_params, param_counts
+from jaxpar.plan.search import Estimate, memory_wall
+
+
+def _human(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _describe(e: Estimate) -> str:
+    par = e.cfg.parallel
+    d, p, t = e.shape
+    parts = [f"(data, stage, model) = ({d}, {p}, {t})", f"ZeRO-{par.zero}"]
+    if p > 1:
+        parts.append(f"{par.schedule}" + (f" v={par.virtual_stages}" if par.virtual_stages > 1 else ""))
+    parts.append(f"{par.microbatches} microbatch{'es' if par.microbatches > 1 else ''}")
+    parts.append(f"remat {par.remat}")
+    if e.cfg.train.master_weights != "none":
+        parts.append(f"{e.cfg.train.master_weights} master weights")
+    if t > 1:
+        parts.append("SP" if par.sequence_parallel else "no SP")
+    if par.offload != "none":
+        parts.append(f"{par.offload} offloaded")
+    return ", ".join(parts)
+
+
+def _activ(mem: dict[str, int]) -> int:
+    """The table's `activ` column: activations, pipeline buffers, ZeRO-3's gathered copies, batch."""
+    return mem["activations"] + mem["pipeline_buffers"] + mem["gathered_params"] + mem["batch"]
+
+
+def _too_big(e: Estimate, hw) -> str:
+    """'needs 95.7 GB per device (its layout), 15.7 GB over the 80.0 GB of a device: parameters ...
+    + gradients ... + optimizer state ... + activations ...'."""
+    mem = e.memory
+    return (f"needs {_human(mem['total'])} per device ({_describe(e)}), "
+            f"{_human(mem['total'] - hw.memory_bytes)} over the {_human(hw.memory_bytes)} of a device: "
+            f"parameters {_human(mem['params'])} + gradients {_human(mem['gradients'])} + optimizer state "
+            f"{_human(mem['optimizer'])} + activations {_human(_activ(mem))}")
+
+
+def _fixes(e: Estimate, hw, knobs: tuple[str, ...] = ()) -> str:
+    """'a, b, c or d': what would make `e` fit, `knobs` (the config's own settings) first, then more
+    devices, a device with more memory, and shorter sequences where activations are its largest part."""
+    bigger = [k for k, h in HARDWARE.items() if h.memory_bytes > hw.memory_bytes]
+    fixes = [*knobs, "more devices", "a device with more memory ("
+             + (f"--hardware {max(bigger, key=lambda k: HARDWARE[k].memory_bytes)} or " if bigger else "")
+             + "--device-memory)"]
+    mem = e.memory
+    if _activ(mem) > max(mem["params"], mem["gradients"], mem["optimizer"]):
+        fixes.append("shorter sequences (--seq-len)")
+    return ", ".join(fixes[:-1]) + " or " + fixes[-1]
 
 
 def _console():
@@ -101,7 +156,7 @@ def _table(estimates: list[Estimate], title: str):
 
 
 def print_wall(cfg, args, roof) -> None:
-    """--memory-wall: `plan.memory_wall` as a table."""
+    """--memory-wall: `search.memory_wall` as a table."""
     from rich.table import Table
 
     n, active = param_counts(cfg.model)
@@ -127,7 +182,7 @@ def print_wall(cfg, args, roof) -> None:
 
 
 def print_evaluation(cfg, roof, args, e: Estimate) -> None:
-    """--evaluate: the header, then the one layout `plan.evaluate` costed, part by part: its memory
+    """--evaluate: the header, then the one layout `search.evaluate` costed, part by part: its memory
     against the device's, the result bytes of its collectives per axis, its step time."""
     mem, tm, hw = e.memory, e.time, roof.hardware
     source = args.config or f"preset {args.preset}"
@@ -158,7 +213,7 @@ def print_evaluation(cfg, roof, args, e: Estimate) -> None:
 def _evaluate_fix(e: Estimate, hw) -> str:
     """What would shrink this layout: the config's own memory settings first, those for its larger
     part first (state: ZeRO-3 over a data axis; activations: remat full, SP over a model axis, more
-    microbatches), then hardware (`plan._fixes`), then the search."""
+    microbatches), then hardware (`_fixes`), then the search."""
     par, (d, p, t), mem = e.cfg.parallel, e.shape, e.memory
     state = ["parallel.zero: 3"] if d > 1 and par.zero < 3 else []
     act = (["parallel.remat: full"] if par.remat != "full" else []) + (

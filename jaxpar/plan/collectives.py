@@ -1,0 +1,263 @@
+"""The planner's traffic model: the collectives one device runs per step of a config on a mesh
+shape, with their result bytes by mesh axis (the measure of `jaxpar.inspect.Report.traffic(spans=axis)`:
+a collective over two axes counts on both) and the bytes each puts on the wire (ring algorithms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.config import Config
+from jaxpar.mesh import AXES
+from jaxpar.parallel.gradients import reduction
+from jaxpar.plan import moe as moe_costs
+from jaxpar.plan.memory import _BYTES, _gather_per_step, _schedule, _stage_slots, model_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """`count` runs per step of a `kind` collective over `axes` with `bytes` of result per device;
+    `overlap`: issued inside the layer scan, where it can hide behind the next layer's compute."""
+    kind: str
+    axes: tuple[str, ...]
+    bytes: float
+    count: int = 1
+    overlap: bool = False
+
+    def wire(self, n: int) -> float:
+        """Bytes one device sends per step over a group of n devices (ring algorithms):
+        all-reduce 2(n-1)/n of its result, all-gather and all-to-all (n-1)/n, reduce-scatter (n-1)
+        times its (1/n-sized) result, a permute its result."""
+        per = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1,
+               "collective-permute": 1.0, "all-to-all": (n - 1) / n}[self.kind]
+        return per * self.bytes * self.count
+
+
+def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
+    """The collectives of one step of `cfg` on a mesh of `shape` (scalars such as the loss and the
+    gradient norm's partial sums left out: a few bytes)."""
+    d, p, t = shape
+    m, par = cfg.model, cfg.parallel
+    st = model_state(cfg, shape)
+    itemsize, act_size = _BYTES[m.param_dtype], _BYTES[m.dtype]
+    micro, zero = par.microbatches, par.zero
+    red = reduction(cfg, d, p)  # where the step reduces and gathers (the executors read the same)
+    rows = cfg.train.global_batch // (d * micro)
+    sp = par.sequence_parallel and t > 1
+    # With master weights gradients are reduced in float32, and what ZeRO-3 gathers is the float32
+    # upcast of its shards (jaxpar.train.step); the updated parameters are gathered in 16 bits.
+    gb = 4 / itemsize if cfg.train.master_weights != "none" else 1.0
+    # Expert parallelism's experts (`jaxpar.plan.moe`): never reduced over data, never ZeRO-sharded.
+    ep = st["experts"]
+    out: list[Collective] = []
+    if d > 1 and p == 1:
+        if zero == 3:
+            shared = st["sharded"] - st["blocks_sharded"]
+            if red.gather == "step":
+                # zero3_gather: step: every shard gathered once before the microbatch loop and
+                # kept for the step.
+                out.append(Collective("all-gather", ("data",), st["sharded"] * gb, 1, overlap=True))
+            else:
+                # Per microbatch: each block layer gathered in the forward and again in the
+                # backward pass, the leaves outside the layer scan once.
+                out.append(Collective("all-gather", ("data",), (2 * st["blocks_sharded"] + shared) * gb, micro,
+                                      overlap=True))
+            # Each gradient reduce-scattered, per microbatch. (With zero3_gather: step the step
+            # reduce-scatters once, after the microbatch loop: DESIGN.md §4 row 5, §9.)
+            out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d * gb, micro, overlap=True))
+            if st["local"] - ep > st["sharded"]:
+                out.append(Collective("all-reduce", ("data",), (st["local"] - ep - st["sharded"]) * gb, micro,
+                                      overlap=True))
+        else:
+            # At use (one microbatch, or ZeRO-2 per microbatch): per layer in the backward scan,
+            # once per microbatch; else once after the accumulation loop.
+            in_scan = red.at_use
+            runs = micro if in_scan else 1
+            if zero >= 1:
+                out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d * gb, runs, overlap=in_scan))
+                reduced = st["local"] - ep - st["sharded"]
+            else:
+                reduced = st["local"] - ep
+            if reduced:
+                out.append(Collective("all-reduce", ("data",), reduced * gb, runs, overlap=in_scan))
+            if zero >= 1 and st["sharded"]:
+                out.append(Collective("all-gather", ("data",), st["sharded"]))  # the updated parameters
+    if p > 1:
+        sched, table = _schedule(cfg, p)
+        ticks = sched.num_ticks()
+        msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * act_size
+        # One forward and one backward ppermute every tick (idle stages send zeros).
+        out.append(Collective("collective-permute", ("stage",), msg, 2 * ticks))
+        f32 = 4 / itemsize
+        shared = st["local"] - st["blocks"]
+        # Float32 accumulators reduced once after the tick loop: blocks over data, the shared
+        # leaves (embeddings, head; used by the end stages) over data and stage.
+        if zero == 2 and red.at_use:
+            # Reduce-scattered by every B where its seed is transposed (per microbatch).
+            out.append(Collective("reduce-scatter", ("data",), st["blocks_sharded"] / d, micro, overlap=True))
+            if st["blocks"] - ep > st["blocks_sharded"]:
+                out.append(Collective("all-reduce", ("data",), (st["blocks"] - ep - st["blocks_sharded"]) * f32))
+        elif d > 1 and zero >= 1:
+            # ZeRO-1/2 (zero2_reduce: step) and ZeRO-3 under a pipeline: the float32 accumulators
+            # reduce-scattered after the tick loop; ZeRO-3 gathers each chunk's layers where F and B
+            # use them (per microbatch: forward, recomputed forward, backward), or once per step.
+            # (With zero3_gather: microbatch the step reduce-scatters per layer per B inside the
+            # loop instead, in the parameter dtype; this counts one reduction after the loop:
+            # DESIGN.md §4, §9.)
+            out.append(Collective("reduce-scatter", ("data",), st["blocks_sharded"] * f32 / d))
+            if st["blocks"] - ep > st["blocks_sharded"]:
+                out.append(Collective("all-reduce", ("data",), (st["blocks"] - ep - st["blocks_sharded"]) * f32))
+            if zero == 3:
+                uses = 1 if _gather_per_step(cfg, p) else 3 * micro
+                out.append(Collective("all-gather", ("data",), st["blocks_sharded"] * gb, uses, overlap=True))
+        elif d > 1:
+            out.append(Collective("all-reduce", ("data",), (st["blocks"] - ep) * f32))
+        # The shared leaves stored sharded over `stage` (large ones: embeddings, head) are gathered
+        # over `stage` before the loop and their gradients reduce-scattered over it after; the
+        # others are all-reduced (over data and stage together).
+        staged = st["staged"]
+        if staged:
+            out.append(Collective("all-gather", ("stage",), staged))
+            out.append(Collective("reduce-scatter", ("stage",), staged * f32 / p))
+            if d > 1:
+                out.append(Collective("all-reduce", ("data",), staged * f32))
+        if shared > staged:
+            out.append(Collective("all-reduce", ("data", "stage") if d > 1 else ("stage",), (shared - staged) * f32))
+        if d > 1 and zero in (1, 2) and st["sharded"]:
+            out.append(Collective("all-gather", ("data",), st["sharded"]))
+        if _stage_slots(cfg, p) is not None:
+            # Each stage's layer slots by an all-to-all over stage (`buffers.to_slots`), of the
+            # stored parameters (ZeRO-3: data shards), and the gradients back after their data
+            # reduction (ZeRO 1-3: data shards).
+            shards = st["blocks"] - st["blocks_sharded"] + st["blocks_sharded"] / d
+            out.append(Collective("all-to-all", ("stage",), shards if zero == 3 else st["blocks"]))
+            out.append(Collective("all-to-all", ("stage",), shards if zero >= 1 else st["blocks"]))
+        elif par.virtual_stages > 1:
+            # The step reorders the block parameters into pipeline order and their gradients back
+            # (GSPMD places an all-to-all over stage each way).
+            out.append(Collective("all-to-all", ("stage",), st["blocks"], 2))
+    if t > 1:
+        out += _tensor_collectives(cfg, rows, t, sp, act_size, p, d)
+    volume, count = moe_costs.all_to_all(cfg, shape, rows, act_size)
+    if count:  # tokens to their experts and back: the expert compute waits on them (exposed)
+        out.append(Collective("all-to-all", ("data",), volume, count))
+        out.append(Collective("all-to-all", ("data",), *moe_costs.expert_ids(cfg, shape, rows)))
+    volume, count, _ = moe_costs.assembled_experts(cfg, shape, act_size)
+    if count:  # replicated experts: each rank's expert assembled from the slices of every rank
+        out.append(Collective("all-to-all", ("data",), volume, count))
+    return out
+
+
+def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int, p: int, d: int) -> list[Collective]:
+    """Megatron's activation collectives over `model`: per layer and microbatch, one closing each
+    sub-layer each way (all-reduce of b·s·h; under SP an all-gather of b·s·h and a reduce-scatter
+    to b·s·h/t), the vocab-parallel embedding's and head's, and again for every recomputed forward
+    (remat `full`; a pipeline's B runs from what F saved). Remat `dots` saves the matmul outputs but
+    not an all-gathered input, so under SP the backward pass gathers again, nor the all-reduce
+    closing attention, so without SP it all-reduces that again (`offload` saves what `dots`
+    does; `dots_except_mlp` saves attention's output after that all-reduce, but its backward
+    gathers the inputs again under SP as `dots`' does). Small ones: the
+    gradients of kv projections replicated over `model` (n_kv_heads < t) and, under SP, of the
+    norms, all-reduced per layer."""
+    m, par = cfg.model, cfg.parallel
+    micro = par.microbatches
+    A = rows * m.seq_len * m.d_model * act_size
+    L = m.n_layers // p
+    forwards = 1 + (par.remat == "full")  # forward passes of each layer per microbatch
+    dots = par.remat in ("dots", "offload")
+    out = []
+    sub = _tp_sublayers(cfg, L, t)
+    if sp:
+        gathers = forwards + 1 + (dots or par.remat == "dots_except_mlp")
+        out.append(Collective("all-gather", ("model",), A, sub * micro * gathers))
+        out.append(Collective("reduce-scatter", ("model",), A / t, sub * micro * (forwards + 1)))
+        out.append(Collective("reduce-scatter", ("model",), A / t, micro))  # embedding, forward
+        out.append(Collective("all-gather", ("model",), A, micro))  # head input, forward
+        out.append(Collective("all-gather", ("model",), A, micro))  # embedding, backward
+        out.append(Collective("reduce-scatter", ("model",), A / t, micro))  # head input, backward
+    else:
+        out.append(Collective("all-reduce", ("model",), A, 2 * L * micro * (forwards + 1)))
+        out.append(Collective("all-reduce", ("model",), A, 2 * micro))  # embedding fwd, head input bwd
+        if dots:
+            # Remat `dots` saves the matmul outputs, not what the all-reduce closing attention
+            # made of them; the norm after it needs that value, so the backward pass all-reduces
+            # again (the MLP's is the next layer's saved input; measured).
+            out.append(Collective("all-reduce", ("model",), A, L * micro))
+    small = 0
+    if m.kv_heads % t:  # replicated kv projections: their weight gradients summed over model ranks
+        bias = 1 if m.qkv_bias else 0  # (and their biases' gradients)
+        small += 2 * (m.d_model + bias) * m.kv_heads * m.head_size * _BYTES[m.param_dtype]
+    if m.qk_norm and t > 1:  # the q and k norm scales, shared by heads on every model rank
+        small += 2 * m.head_size * _BYTES[m.param_dtype]
+    if sp:  # norm parameters see a slice of the sequence on each rank
+        small += 2 * m.d_model * (2 if m.arch == "gpt2" else 1) * _BYTES[m.param_dtype]
+    if small:
+        out.append(Collective("all-reduce", ("model",), small * L, micro))
+    experts = moe_costs.whole_experts_bytes(cfg, d, t) * _moe_layers(cfg, L)
+    if experts:  # experts whole on every model rank: their gradients summed over model where used
+        out.append(Collective("all-reduce", ("model",), experts, micro))
+    return out
+
+
+def _moe_layers(cfg: Config, L: int) -> int:
+    """MoE layers among L layers of one stage (all, or a mixed model's share)."""
+    return round(L * moe_costs.moe_fraction(cfg.model))
+
+
+def _tp_sublayers(cfg: Config, L: int, t: int) -> int:
+    """Sub-layers of L layers closed by an activation collective over `model`: attention and the
+    MLP of each, less the MoE layers whose routed experts are whole on every model rank
+    (`expert_tensor_parallel: false`: each rank routes its own sequence shard) and which have no
+    shared experts (those stay tensor-parallel, `enter_tp`/`exit_tp` of their own)."""
+    return 2 * L - (_moe_layers(cfg, L) if moe_costs.routes_sequence_shard(cfg, t) and not cfg.model.n_shared_experts
+                    else 0)
+
+
+def bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]:
+    """Result bytes of the collectives of one step on each axis (a collective spanning two axes
+    counts on both), as `jaxpar.inspect.Report.traffic(spans=axis)` reads them from the HLO."""
+    out = {a: 0.0 for a in AXES}
+    for c in collectives(cfg, shape):
+        for a in c.axes:
+            out[a] += c.bytes * c.count
+    return out
+
+
+def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]:
+    """`bytes_per_axis` as the HLO states it statically, which is what `jaxpar.inspect` counts.
+
+    The two differ only for tensor parallelism inside a pipeline: there the executor's F and B sit
+    in `lax.cond`s evaluated every tick, and the inspector counts every branch as taken in every
+    tick (an upper bound), where the step really runs one branch per action. Per tick the program
+    holds F (the embedding's collective and the chunk's forward), B of the last chunk (forward,
+    head, backward) and B of the others (forward without the last sub-layer's collective, whose
+    result the vjp drops, and backward); remat adds the recomputed forward to both B branches."""
+    out = bytes_per_axis(cfg, shape)
+    d, p, t = shape
+    if p == 1 or t == 1:
+        return out
+    m, par = cfg.model, cfg.parallel
+    rows = cfg.train.global_batch // (d * par.microbatches)
+    A = rows * m.seq_len * m.d_model * _BYTES[m.dtype]
+    Lc = m.n_layers // (p * par.virtual_stages)
+    ticks = _schedule(cfg, p)[0].num_ticks()
+    full, dots = par.remat == "full", par.remat == "dots"
+    S2 = _tp_sublayers(cfg, Lc, t)  # (2 per layer, less MoE layers routing their sequence shard)
+    if par.sequence_parallel:
+        # (dots_except_mlp gathers again as dots; offload is refused under a pipeline.)
+        regather = S2 * (full or dots or par.remat == "dots_except_mlp")
+        # F: the chunk forward, the head's input gather and (its backward) scatter, the
+        # embedding's scatter; B or I: the chunk backward (and what remat recomputes).
+        gathers = (S2 + 1) + (S2 + regather + S2 * full)
+        # (dots: attention's closing reduce-scatter again, as the all-reduce below; fitted to the
+        # compiled pipelines, -13% -> -9%, and not in `_tensor_collectives`' SP count, where the
+        # one-stage case measured -1.8% without it.)
+        scatters = (1 + S2 + 1) + (S2 + S2 * full + Lc * dots)
+        static = ticks * (gathers * A + scatters * A / t)
+    else:
+        again = 2 * Lc * full + Lc * dots  # (dots: attention's closing all-reduce, again)
+        static = ticks * A * ((1 + 2 * Lc + 1) + (2 * Lc + again))
+    executed = sum(c.bytes * c.count for c in _tensor_collectives(cfg, rows, t, par.sequence_parallel, _BYTES[m.dtype], p, d)
+                   if c.bytes >= A / t)
+    out["model"] += static - executed
+    return out

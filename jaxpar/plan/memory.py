@@ -1,0 +1,364 @@
+"""The planner's memory model: per-device bytes of one training step of a config on a mesh shape,
+by part, without devices; also `check` (jaxpar's own validation of a layout) and the model state
+that the other parts of the cost model read (`model_state`).
+
+The memory of parameters, gradients and optimizer state comes from jaxpar's own ZeRO layout
+(`jaxpar.parallel.zero`, on an abstract mesh of the candidate's shape, so no device is needed);
+the activations a step keeps for its backward pass come from JAX's own linearization of one
+transformer block at the per-device shapes of the candidate (`saved_residuals`, traced with
+abstract values under the tensor-parallel marks of `jaxpar.sharding`: `jaxpar.plan.activations`),
+so remat policies, sequence parallelism and dtypes count exactly what the program saves.
+`jaxpar.plan.search` ranks layouts with it, `jaxpar.plan.collectives` and `jaxpar.plan.steptime`
+cost their traffic and time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+
+from jaxpar import model
+from jaxpar.config import Config, ConfigError, validate
+from jaxpar.mesh import AXES, check_sizes
+from jaxpar.model.layers import flash_attention_applies
+from jaxpar.parallel.gradients import reduction, zero3_gathers
+from jaxpar.parallel.reduction import upcast_at_use
+from jaxpar.parallel.stages import chunk_model, valid_stage_layout
+from jaxpar.parallel.zero import make_layout, state_bytes
+from jaxpar.plan import moe as moe_costs
+# Activations: what JAX saves for the backward pass, at the per-device shapes of a candidate.
+from jaxpar.plan.activations import _activations, _offloaded, _tap_input_width, _tap_width
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def abstract_mesh(shape: tuple[int, int, int]) -> AbstractMesh:
+    """A device-free ("data", "stage", "model") mesh of `shape`, for layouts and rules."""
+    return AbstractMesh(tuple(shape), AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def check(cfg: Config, shape: tuple[int, int, int]) -> None:
+    """jaxpar's own validation of `cfg` on a mesh of `shape` (raises ConfigError): the config
+    rules, the mesh-size rules, and the ZeRO layout's refusal of large replicated leaves."""
+    validate(cfg)
+    check_sizes(cfg, shape)
+    _layout(cfg, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model state: parameters, gradients, optimizer state, from jaxpar's ZeRO layout.
+
+
+def _layout(cfg: Config, shape):
+    found = _layout_of(_state_key(cfg, shape[1]), tuple(shape))
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def _state_key(cfg: Config, p: int) -> Config:
+    """`cfg` with the choices the ZeRO layout and the stored state do not read set to defaults, so
+    that the planner's candidates that differ only in them share one layout (the schedule,
+    microbatches, remat; `make_layout` reads the model, the ZeRO stage, its threshold and the mesh,
+    and the stage split where the pipeline gathers its chunks' layer slots on p stages)."""
+    par = dataclasses.replace(cfg.parallel, microbatches=1, remat="none", schedule="1f1b")
+    if _stage_slots(cfg, p) is None:
+        par = dataclasses.replace(par, virtual_stages=1, stage_layers=None)
+    return dataclasses.replace(cfg, parallel=par)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_of(cfg: Config, shape):
+    mesh = abstract_mesh(shape)
+    try:
+        return make_layout(cfg, mesh, model.param_names(cfg.model), model.param_shapes(cfg.model)), mesh
+    except ConfigError as e:  # refusals cached too: the planner asks again for each variant
+        return e
+
+
+def model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
+    """`_model_state`, shared by configs that differ only in what the layout does not read (and,
+    unless the pipeline gathers its chunks' layer slots, `jaxpar.parallel.stages`, the stage split)."""
+    return _model_state(_state_key(cfg, shape[1]), tuple(shape))
+
+
+def _stage_slots(cfg: Config, p: int):
+    """The pipeline's layer slots where the step gathers the stacks into them (uneven stages, dense
+    first layers: `jaxpar.parallel.stages`), else None (even chunks: a reshape of the storage)."""
+    if p == 1:
+        return None
+    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
+    return slots if slots is not None and slots.gather else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
+    """Per-device bytes of the stored state and of its parts that collectives move:
+    params / grads / optimizer (jaxpar.parallel.zero.state_bytes), `local` (the parameters after
+    tensor and pipeline splitting, before ZeRO), `sharded` (of `local`, the leaves ZeRO shards
+    over data), `blocks_sharded` (of those, the stacked block leaves), `blocks` (all block leaves),
+    `staged` (of `local`, the shared leaves a pipeline stores sharded over `stage`), `experts` (of
+    `local`, the expert weights expert parallelism splits over data: this rank's E/d experts,
+    never ZeRO-sharded nor reduced over data; 0 without it, `jaxpar.plan.moe`)."""
+    layout, mesh = _layout(cfg, shape)
+    shapes = model.param_shapes(cfg.model)
+    # Adam: two moments in the parameter dtype; with master weights, master and moments in float32
+    # (3 x 4 bytes, in units of the parameter's bytes), on the same layout.
+    per_param = 2 if cfg.train.master_weights == "none" else 3 * 4 // _BYTES[cfg.model.param_dtype]
+    acct = state_bytes(layout, shapes, mesh, moments_per_param=per_param)
+    # (Per device as used in the step: the shared leaves stored over `stage` are gathered there.)
+    base = jax.tree.map(lambda spec, sd: _strip_data(spec, "stage" if sd is not None else None), layout.moments,
+                        layout.stage_dims, is_leaf=lambda x: isinstance(x, P))
+    out = {"params": acct["params"]["per_device"], "grads": acct["grads"]["per_device"],
+           "optimizer": acct["optimizer"]["per_device"]}
+    out.update(local=0, sharded=0, blocks_sharded=0, blocks=0, staged=0, experts=0)
+    ep, d = moe_costs.expert_parallel(cfg, mesh.shape["data"]), mesh.shape["data"]
+    flat_names = jax.tree.leaves(model.param_names(cfg.model), is_leaf=lambda x: isinstance(x, tuple))
+    flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    flat_base = jax.tree.leaves(base, is_leaf=lambda x: isinstance(x, P))
+    flat_dims = jax.tree.leaves(layout.zero_dims, is_leaf=lambda x: x is None or isinstance(x, int))
+    flat_sdims = jax.tree.leaves(layout.stage_dims, is_leaf=lambda x: x is None or isinstance(x, int))
+    slots = _stage_slots(cfg, mesh.shape["stage"])
+    for (path, s), spec, dim, sdim, names in zip(flat_shapes, flat_base, flat_dims, flat_sdims, flat_names):
+        is_block = path[0].key == "blocks"
+        if is_block and slots is not None:
+            # In the step each stage holds its chunks' slots of every stack (stored with `stage` on
+            # another dim: `jaxpar.parallel.stages`).
+            kind = path[1].key if cfg.model.mixed else ""
+            s = jax.ShapeDtypeStruct((mesh.shape["stage"] * slots.v * slots.width[kind], *s.shape[1:]), s.dtype)
+            spec, sdim = P("stage", *_strip_data(spec, "stage")[1:]), None
+        nbytes = _leaf_bytes(s, spec, mesh)
+        if ep and moe_costs.is_expert_leaf(names):
+            # Expert parallelism: this rank's E/d experts (`base` has its data split stripped; the
+            # stored state of `state_bytes` counts them so already), never ZeRO-sharded.
+            nbytes, dim = nbytes // d, None
+            out["experts"] += nbytes
+        out["local"] += nbytes
+        out["blocks"] += nbytes * is_block
+        out["staged"] += nbytes * (sdim is not None)
+        if dim is not None:
+            out["sharded"] += nbytes
+            out["blocks_sharded"] += nbytes * is_block
+    return out
+
+
+def _leaf_bytes(s, spec: P, mesh) -> int:
+    """Bytes of one device's part of a leaf of shape `s` laid out as `spec` on `mesh`."""
+    split = math.prod(mesh.shape[a] for ax in spec for a in ((ax,) if isinstance(ax, str) else ax or ()))
+    return s.size * s.dtype.itemsize // split
+
+
+def _strip_data(spec: P, also: str | None = None) -> P:
+    def drop(ax):
+        kept = tuple(a for a in ((ax,) if isinstance(ax, str) else ax or ()) if a not in ("data", also))
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return P(*map(drop, spec))
+
+
+def _schedule(cfg: Config, p: int):
+    par = cfg.parallel
+    return _cached_schedule(par.schedule, p, par.microbatches, par.virtual_stages)
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_schedule(name: str, p: int, m: int, v: int):
+    from jaxpar.parallel.pipeline import Table
+    from jaxpar.parallel.schedules import build
+    sched = build(name, p, m, v)
+    # `pipeline.table_of` without its full validation of the table (jaxpar's own builders, tested
+    # in test_schedules; a third of the planner's time on 1024 devices): the slot counts only.
+    counts = sched.slot_counts()
+    return sched, Table(rows={}, chunks=sched.virtual_stages, stash=counts["stash"], fwd_slots=counts["fwd"],
+                        bwd_slots=counts["bwd"], wstash=counts["wstash"], split=sched.split)
+
+
+@functools.lru_cache(maxsize=512)
+def _fused_b(name: str, p: int, m: int, v: int) -> bool:
+    """Does the schedule hold a fused backward B (not only I and W)?"""
+    return any(a.kind == "B" for _, _, a in _cached_schedule(name, p, m, v)[0].actions())
+
+
+def uses_flash_attention(cfg: Config, platform: str) -> bool:
+    """Whether the step's attention is cuDNN's fused kernel: `model.attention: cudnn`, or `auto`
+    where `jaxpar.model.layers.flash_attention_applies` (the model's own rule)."""
+    m = cfg.model
+    return m.attention == "cudnn" or (m.attention == "auto" and flash_attention_applies(m, platform))
+
+
+def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> dict[str, int]:
+    """Predicted per-device bytes of one training step of `cfg` on a (data, stage, model) mesh of
+    `shape`, by part: `params`, `gradients`, `optimizer`, `activations`, `pipeline_buffers`,
+    `gathered_params` (ZeRO-3's all-gathered copies, and a pipeline's shared leaves gathered over
+    `stage`), `batch`, and `total` (what
+    `compiled.memory_analysis()` calls arguments + temp; outputs alias the donated state).
+
+    - params, optimizer: the stored state of jaxpar's ZeRO layout (Adam: two moments, in the
+      parameter dtype; with `train.master_weights`, the float32 master and moments: 12 bytes per
+      parameter on the moments' layout).
+    - gradients: what the step holds. One microbatch: ZeRO-0 every local gradient at its
+      parameter's dtype; ZeRO-1/2 the data shards plus one layer's full gradient in flight (each
+      layer reduce-scattered inside the backward scan); ZeRO-3: the data shard. With microbatches, a
+      float32 accumulator of the same extent plus one microbatch's gradients. Pipelines: float32
+      accumulators of this stage's blocks and of the shared leaves (embeddings, head), reduced
+      after the tick loop, plus one chunk's gradients. With master weights gradients are float32,
+      and where the step differentiates a float32 copy of the stored parameters
+      (`jaxpar.parallel.reduction.upcast_at_use` false) that copy is counted here too; where the upcast
+      is per layer, reduced gradients are stored in the parameter dtype.
+    - activations: the values JAX saves for the backward pass (`saved_activation_bytes`) of one
+      microbatch (two with accumulation: see below; pipelines: of one chunk, which F stashes), plus the working set of the backward pass of one layer: its
+      values that were not saved (recomputed) and at least half of its saved values again as
+      cotangents (a pipeline's B, too, runs one layer at a time from its stash slot; uneven
+      stages: a slot more); or the float32 cotangent of the logits, whichever is larger.
+      These working sets are the modelled part (measured on CPU: README, "Planning a run").
+    - pipeline_buffers: the stash (F's residuals; with a split table also what I keeps for W,
+      written over them) and the receive buffers the schedule table declares, v chunks each, and
+      the wstash of what does not fit in a stash slot.
+    - host_optimizer (not in `total`): with `parallel.offload: optimizer` on a GPU, the optimizer
+      state (moments, master), in pinned host memory; `optimizer` is then 0.
+    - host_activations (not in `total`): what remat `offload` keeps in pinned host memory, the
+      matmul outputs of every layer (one layer's are back on the device, in activations' working
+      set, while its backward runs). On XLA:CPU nothing is offloaded: 0, and they count as `dots`.
+    """
+    d, p, t = shape
+    m, par = cfg.model, cfg.parallel
+    st = model_state(cfg, shape)
+    itemsize = _BYTES[m.param_dtype]
+    f32 = 4 / itemsize
+    master, at_use = cfg.train.master_weights != "none", upcast_at_use(cfg, d, p)
+    # With master weights and no per-layer upcast, what is differentiated is a float32 copy: its
+    # gradients (and ZeRO-3's gathered layers) are float32 and the model saves its casts of it.
+    g = f32 if master and not at_use else 1.0
+    upcast = (st["local"] if par.zero < 3 else st["params"]) * f32 if master and not at_use else 0
+    m_act = dataclasses.replace(m, param_dtype="float32") if master and not at_use else m
+    micro = par.microbatches
+    rows = cfg.train.global_batch // (d * micro)
+    sp = par.sequence_parallel and t > 1
+    # parallel.offload: optimizer keeps the optimizer state in pinned host memory (on a GPU; XLA:CPU
+    # counts it among the device arguments). The update's device copies are not modelled.
+    host_opt = st["optimizer"] if par.offload == "optimizer" and platform != "cpu" else 0
+    out = {"params": st["params"], "optimizer": st["optimizer"] - host_opt}
+    zero = par.zero
+    flash = uses_flash_attention(cfg, platform)
+    # Remat `offload` (refused under a pipeline): the layer scan's saved matmul outputs on the host.
+    host = _offloaded(m_act, rows, t, sp, par.remat, flash, platform) if p == 1 else 0
+    if p == 1:
+        if zero == 3 or (zero in (1, 2) and reduction(cfg, d, p).at_use):
+            # Reduce-scattered where each layer's gradient arises: the data shards, plus one
+            # layer's full gradient in flight (ZeRO-1/2; ZeRO-3's is counted with its gathers).
+            # (Expert-parallel experts are never reduced over data: not in flight.)
+            layer = (st["blocks"] - st["experts"]) // max(1, m.n_layers) if zero < 3 else 0
+            grads = (st["local"] - st["sharded"] + st["sharded"] / d + layer) * g
+        else:
+            grads = st["local"] * g
+        if micro > 1:
+            grads = grads + (st["local"] if zero < 3 else st["grads"]) * f32
+        act = _activations(m_act, rows, t, sp, par.remat, True, flash)
+        act["layers"] -= host
+        buffers = 0
+    else:
+        sched, table = _schedule(cfg, p)
+        v = par.virtual_stages
+        # Every chunk's program has the same layer slots (a skipped one's residuals are zeros).
+        slots = valid_stage_layout(m, p, v, par.stage_layers)  # (None: refused by the config check)
+        chunk = (chunk_model(m_act, slots) if slots is not None
+                 else dataclasses.replace(m_act, n_layers=m.n_layers // (p * v)))
+        layers = chunk.n_layers
+        # The last stage's chunk runs the head and the loss too: the most any stage saves.
+        act = _activations(chunk, rows, t, sp, par.remat, True, flash)
+        msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * _BYTES[m.dtype]
+        # F stashes what B needs (the chunk's saved activations, less its parameters, and the
+        # slot for the head's cotangent); with a split table, I writes each weight matmul's
+        # input and output cotangent for W into that slot, over what it consumed, and what does
+        # not fit into the wstash (`buffers.pack`: with remat `none` everything fits).
+        f = moe_costs.moe_fraction(chunk)  # (per layer: a mixed model's mean of both kinds)
+        width = (_tap_width(m, t, mlp=False) + f * moe_costs.tap_width(m, t, moe_costs.routes_sequence_shard(cfg, t))
+                 + (1 - f) * (_tap_width(m, t) - _tap_width(m, t, mlp=False)))
+        taps = int(rows * m.seq_len * layers * width * _BYTES[m.dtype]) if table.split else 0
+        # Where F stashes the matmuls' inputs itself (in place of the pullbacks' copies), I writes
+        # only the output cotangents (`pipeline.stashes_inputs`; an MoE layer's expert inputs
+        # counted as written, a small overestimate).
+        from jaxpar.parallel.pipeline import stashes_inputs
+        if stashes_inputs(par.remat, table.split, _fused_b(par.schedule, p, par.microbatches, v),
+                          slots is not None and slots.gather):
+            taps -= int(rows * m.seq_len * layers * (_tap_input_width(m, t, mlp=False)
+                                                     + (1 - f) * (_tap_input_width(m, t) - _tap_input_width(m, t, mlp=False)))
+                        * _BYTES[m.dtype])
+        homeless = max(0, taps - (act["layers"] + msg))
+        buffers = ((table.fwd_slots + table.bwd_slots) * msg + table.stash * (act["layers"] + msg)
+                   + table.wstash * homeless + (par.remat == "none") * taps)
+        # (+ I's output before it is written, measured on CPU; with remat `dots` or `full` XLA
+        # writes it into the wstash in place.)
+        grads = st["local"] * (f32 + g)
+    grads += upcast
+    logits = rows * m.seq_len * m.padded_vocab // t * 4
+    # What remat recomputes in a layer's backward: `layer_backward` counts what the layer's
+    # backward holds with no remat (every rule's residuals, and xla_lse attention's query block
+    # being differentiated), `layer_saved` what the policy keeps. Under `none` nothing is
+    # recomputed but inside SwiGLU's and xla_lse attention's own backward rules.
+    recomputed = act["layer_backward"] - act["layer_saved"] if par.remat != "none" else 0
+    if platform == "gpu":
+        # Outside the layer scan XLA's GPU fusions fold the loss's elementwise work into the
+        # backward pass, so the values JAX saves there (several [batch, seq, vocab] float32 arrays)
+        # do not materialize; what does is the float32 logits, reused in place for their
+        # cotangent, and with bf16/fp16 compute a half-size copy of that cotangent for the head's
+        # two backward matmuls (measured on an H200: README, "Planning a run").
+        head = int(logits * (1.5 if m.dtype != "float32" else 1.0))
+        working = 0
+    else:
+        # XLA's CPU backend materializes them: the saved values as traced, and the logits'
+        # cotangent as a working set of its own (measured on CPU).
+        head, working = act["outside"], logits
+    saved = (act["layers"] if p == 1 else 0) + head  # (a pipeline's are in its stash)
+    # With microbatches every one runs inside the accumulation loop: one microbatch's
+    # activations at a time. A layer's backward holds what remat recomputed beside the
+    # cotangents of about half its saved values, or half of what it holds as cotangents. A
+    # pipeline's F writes each layer's residuals straight into its stash slot and B reads them
+    # back one layer at a time (DESIGN.md §5.3): its tick's working set is what remat recomputes
+    # and the cotangents of about half the layer's saved values, not half of all it holds
+    # (measured on CPU: with that term too, the 1F1B and ZB-H1 cases of tests/test_plan.py read
+    # +17% and +19%, without it +12% and +13%).
+    transient = max(recomputed + act["layer_saved"] // 2, working)
+    if p == 1:
+        transient = max(transient, act["layer_backward"] // 2)
+    if p > 1 and _stage_slots(cfg, p) is not None:
+        # Where the stages' layer slots are gathered (uneven stages) the step's peak is
+        # elsewhere, about a slot above that (measured on CPU: README, "Planning a run").
+        transient = act["layers"] + max(recomputed, working)
+    saved += act["fixed"]
+    gathered = 0
+    if zero == 3:
+        # ZeRO-3 gathers each layer where it is used and the leaves outside the layer scan
+        # (embeddings, head) once, kept for the backward pass; with `zero3_gather: step` (and
+        # microbatches or a pipeline), all of this device's parameters, kept for the step. Layers
+        # in flight: one on CPU (its scheduler runs each gather just before its use: measured),
+        # two on GPU (the latency-hiding scheduler prefetches the next layer's gather).
+        # (Expert-parallel experts are stored whole on their rank: never gathered.)
+        blocks = st["blocks"] - st["experts"]
+        blocks_layer = blocks // max(1, m.n_layers // p)
+        shared = st["local"] - st["blocks"]
+        in_flight = 1 if platform == "cpu" else 2
+        gathered = (shared + (blocks if _gather_per_step(cfg, p) else in_flight * blocks_layer)) * g
+        if not _gather_per_step(cfg, p):  # gathered per use in the compute dtype (matrices: nearly all of it)
+            gathered = gathered * min(1.0, _BYTES[m.dtype] / itemsize)
+    _, _, expert = moe_costs.assembled_experts(cfg, (d, p, t), _BYTES[m.dtype])
+    if expert:  # replicated experts: each MoE layer's own expert, assembled where used
+        held = moe_costs.moe_layers_on_stage(cfg, p) if par.remat == "none" else (1 if platform == "cpu" else 2)
+        gathered += held * expert
+    if p > 1:  # the shared leaves stored over `stage`, gathered for the step (ZeRO-3: its data shard)
+        gathered += st["staged"] / (d if zero == 3 else 1)
+    out.update(gradients=int(grads), activations=int(saved + transient), pipeline_buffers=int(buffers),
+               gathered_params=int(gathered), batch=rows * micro * (m.seq_len + 1) * 4)
+    out["total"] = sum(out.values())
+    out["host_activations"] = host  # pinned host memory: not in the device total
+    out["host_optimizer"] = host_opt
+    return out
+
+
+def _gather_per_step(cfg: Config, p: int) -> bool:
+    """ZeRO-3 gathering every shard once per step, before the microbatch or tick loop
+    (`jaxpar.parallel.gradients.zero3_gathers`, the executors' rule; DESIGN.md §4 rows 5 and 8)."""
+    return cfg.parallel.zero == 3 and zero3_gathers(cfg, p) == "step"
