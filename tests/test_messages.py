@@ -412,3 +412,15 @@ def test_plan_write_config_gets_the_umask(tmp_path, umask_022):
 
     _write_config(load_config(None), str(tmp_path / "best.yaml"))
     assert stat.S_IMODE(os.stat(tmp_path / "best.yaml").st_mode) == 0o644
+
+
+def test_more_chunks_than_layers_when_no_stage_count_splits_them():
+    """61 layers (DeepSeek-V3's) in 2 chunks a stage on 64 stages: no stage count gives whole chunks;
+    one sentence, not a crash inside the message (the planner met this case)."""
+    from jaxpar.parallel.checks import check_stage_axis
+
+    cfg = load_config(None, ["model.n_layers=61", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+                             "parallel.microbatches=64", "train.global_batch=64"])
+    with pytest.raises(ConfigError, match=r"64 x 2 = 128 pipeline chunks need at least 128 layers .* use "
+                                          r"parallel.virtual_stages=1 with mesh.stage=61"):
+        check_stage_axis(cfg, 64)

@@ -86,13 +86,15 @@ def check_stage_axis(cfg: Config, p: int) -> None:
                 f"parallel.stage_layers = {list(counts)} must be positive counts that sum to model.n_layers = "
                 f"{m.n_layers}; fix the counts.")
     if m.n_layers < chunks:  # no layout at all, even or not: every chunk needs a layer
-        fewer = max(d for d in range(1, p + 1) if m.n_layers % (d * par.virtual_stages) == 0) \
-            if m.n_layers >= par.virtual_stages else None
+        # (None where no stage count splits the layers into whole chunks: 61 layers, 2 chunks a stage.)
+        fewer = max((d for d in range(1, p + 1) if m.n_layers % (d * par.virtual_stages) == 0), default=None)
         what = (f"mesh.stage = {p} needs at least {chunks} layers (one per stage)" if par.virtual_stages == 1 else
                 f"mesh.stage x parallel.virtual_stages = {p} x {par.virtual_stages} = {chunks} pipeline chunks need "
                 f"at least {chunks} layers (one per chunk)")
         less = (f"use fewer stages (mesh.stage={fewer})" if fewer else
-                f"use fewer virtual stages (parallel.virtual_stages={m.n_layers} or less)")
+                f"use fewer virtual stages (parallel.virtual_stages={m.n_layers} or less)"
+                if m.n_layers < par.virtual_stages else
+                f"use parallel.virtual_stages=1 with mesh.stage={min(p, m.n_layers)}")
         raise ConfigError(f"{what}, but model.n_layers = {m.n_layers}; {less} or more layers "
                           f"(model.n_layers={chunks}).")
     require(par.stage_layers is not None or m.n_layers % chunks == 0,
