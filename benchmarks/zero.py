@@ -21,17 +21,14 @@ AOT-compiled on one mesh, and the script reports:
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import guarded, machine_info, time_steps  # noqa: E402  (the same machine description as step_time.py)
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import (TIMING, add_config_args, add_devices_arg, add_out_arg, add_timing_args,  # noqa: E402
+                    check_timing_args, command, compile_step, guarded, machine_info, memory_bytes, mib,
+                    overrides, simulated_cpu, summary, time_steps, wire_bytes, write_result)
 STAGES = (0, 1, 2, 3)
 # The default model when no --config is given (user --set overrides come after these).
 DEFAULTS = ("model.arch=llama", "model.n_layers=4", "model.d_model=256", "model.n_heads=4",
@@ -41,20 +38,13 @@ KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=None,
-                   help="YAML config (default: llama, 4 layers, d_model 256, d_ff 1024, vocab 256, "
-                        "seq_len 64, global_batch 16, mesh data = all devices)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
-                   help="override a config key, e.g. --set model.d_model=512 (repeatable)")
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per ZeRO stage (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
-    p.add_argument("--out", default=str(RESULTS / "zero_cpu.json"),
-                   help="JSON output; the Markdown table goes next to it with suffix .md "
-                        "(default: benchmarks/results/zero_cpu.json)")
+    add_config_args(p, "YAML config (default: llama, 4 layers, d_model 256, d_ff 1024, vocab 256, "
+                       "seq_len 64, global_batch 16, mesh data = all devices)", "model.d_model=512")
+    add_devices_arg(p)
+    add_timing_args(p, steps=10, warmup=2, per="ZeRO stage")
+    add_out_arg(p, "zero_cpu.json")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.devices < 1:
-        p.error("--steps and --devices must be at least 1, --warmup at least 0")
+    check_timing_args(p, args)
     return args
 
 
@@ -64,21 +54,6 @@ def formula_bytes(zero: int, psi: int, itemsize: int, d: int, tp: int = 1) -> di
     return {"params": P / d if zero >= 3 else P,
             "grads": G / d if zero >= 2 else G,
             "optimizer": O / d if zero >= 1 else O}
-
-
-def wire_bytes(kind: str, result_bytes: int, n: int) -> float:
-    """Estimated bytes one device sends in a ring collective over n devices, from its result size."""
-    if n <= 1:
-        return 0.0
-    if kind == "all-reduce":
-        return 2 * result_bytes * (n - 1) / n
-    if kind == "all-gather":
-        return result_bytes * (n - 1) / n
-    if kind == "reduce-scatter":
-        return result_bytes * (n - 1)
-    if kind == "all-to-all":
-        return result_bytes * (n - 1) / n
-    return float(result_bytes)  # collective-permute / broadcast: one buffer out
 
 
 def traffic(report, mesh) -> dict:
@@ -117,9 +92,7 @@ def measure(cfg, args) -> dict:
     layout = {k: v["per_device"] for k, v in state_bytes(program.layout, shapes, mesh).items()}
     batch_bytes = cfg.train.global_batch * (cfg.model.seq_len + 1) * 4 // d  # int32 rows
 
-    t = time.perf_counter()
-    compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
-    compile_s = time.perf_counter() - t
+    compiled, compile_s = compile_step(program)
     report = analyze(compiled, mesh)
     flows = traffic(report, mesh)
 
@@ -136,8 +109,7 @@ def measure(cfg, args) -> dict:
         "batch_bytes_per_device": batch_bytes,
         "predicted_args_formula": po_formula,
         "predicted_args_layout": po_layout + batch_bytes,
-        "memory": {"argument_bytes": mem.argument_bytes, "output_bytes": mem.output_bytes,
-                   "temp_bytes": mem.temp_bytes, "alias_bytes": mem.alias_bytes},
+        "memory": memory_bytes(mem),
         "argument_vs_formula_p_plus_o": mem.argument_bytes / po_formula,
         "argument_vs_layout_p_plus_o_plus_batch": mem.argument_bytes / (po_layout + batch_bytes),
         "traffic_data_axis": flows,
@@ -146,7 +118,7 @@ def measure(cfg, args) -> dict:
             {"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "executions": c.executions,
              "in_loop": c.in_loop, "op_name": c.op_name} for c in report.select(spans="data")],
         "compile_s": compile_s,
-        "step_time_s": {"median": statistics.median(times), "min": min(times), "max": max(times)},
+        "step_time_s": summary(times),
         "step_times_s": times,
         "final_loss": float(metrics["loss"]),
     }
@@ -157,10 +129,6 @@ def theory_ratio(zero: int) -> float:
     ZeRO-1 and ZeRO-2 reduce-scatter the gradients (1) and all-gather the new parameters (1):
     1.0x; ZeRO-3 gathers twice and reduce-scatters: 1.5x."""
     return {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}[zero]
-
-
-def mib(x: float) -> str:
-    return f"{x / 2**20:.2f}"
 
 
 def markdown(rows: list[dict], machine: dict, cfg, command: str) -> str:
@@ -206,16 +174,12 @@ def main(argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import jax
     from jaxpar.config import load_config
-    from jaxpar.mesh import use_cpu_devices
 
-    jax.config.update("jax_platforms", "cpu")  # --devices means simulated CPU devices, even on a GPU host
-    base = [] if args.config else list(DEFAULTS)
-    common = base + [f"runtime.cpu_devices={args.devices}"] + list(args.overrides)
+    common = overrides(args, DEFAULTS)
     cfgs = [load_config(args.config, common + [f"parallel.zero={z}", "parallel.microbatches=1"])
             for z in STAGES]  # every config is checked before anything compiles
-    use_cpu_devices(args.devices)
+    simulated_cpu(args.devices)  # --devices means simulated CPU devices, even on a GPU host
 
     rows = []
     for cfg in cfgs:
@@ -232,22 +196,14 @@ def run(args: argparse.Namespace) -> int:
         r["wire_bytes_ratio_theory"] = theory_ratio(r["zero"])
 
     machine = machine_info()
-    command = " ".join(["python", "benchmarks/zero.py"] + sys.argv[1:])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = command("zero.py")
     result = {
-        "benchmark": "zero", "date": machine["date"], "command": command, "machine": machine,
+        "benchmark": "zero", "date": machine["date"], "command": cmd, "machine": machine,
         "config": cfgs[0].to_dict(),  # parallel.zero: as in each row
-        "timing": ("each step timed alone, dispatch to jax.block_until_ready on the new state and "
-                   "metrics; batches prebuilt with batch_at before timing; compile_s is AOT "
-                   "lower+compile of the step"),
+        "timing": TIMING + "; compile_s is AOT lower+compile of the step",
         "rows": rows,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(rows, machine, cfgs[0], command)
-    out.with_suffix(".md").write_text(f"# ZeRO stages 0-3 ({machine['platform']})\n\n" + table)
-    print(table)
-    print(f"-> {out}, {out.with_suffix('.md')}")
+    write_result(args.out, result, markdown(rows, machine, cfgs[0], cmd), f"ZeRO stages 0-3 ({machine['platform']})")
     return 0
 
 
