@@ -23,17 +23,14 @@ code as benchmarks/zero.py's, so a change to ZeRO shows up here on rerun).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import guarded, machine_info  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import (add_config_args, add_devices_arg, add_out_arg, add_timing_args, command,  # noqa: E402
+                    compile_step, guarded, load_avg, machine_info, memory_bytes, mesh_dict, mib, overrides,
+                    simulated_cpu, summary, warmed_up, write_result)
 # (name, overrides): the modes compared.
 MODES = (("naive", ("parallel.data_mode=naive", "parallel.zero=0")),
          ("ddp", ("parallel.data_mode=ddp", "parallel.zero=0")),
@@ -47,16 +44,12 @@ DEFAULTS = ("model.arch=llama", "model.n_layers=4", "model.d_model=256", "model.
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=None, help="YAML config (default: benchmarks/zero.py's model)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
-                   help="override a config key, e.g. --set model.d_model=512 (repeatable)")
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per mode (default 20)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
+    add_config_args(p, "YAML config (default: benchmarks/zero.py's model)", "model.d_model=512")
+    add_devices_arg(p)
+    add_timing_args(p, steps=20, warmup=2, per="mode")
     p.add_argument("--modes", default=",".join(n for n, _ in MODES),
                    help=f"comma-separated subset of {', '.join(n for n, _ in MODES)} (default: all)")
-    p.add_argument("--out", default=str(RESULTS / "naive_dp_cpu.json"),
-                   help="JSON output; the Markdown table goes next to it with suffix .md")
+    add_out_arg(p, "naive_dp_cpu.json")
     args = p.parse_args(argv)
     known = {n for n, _ in MODES}
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -88,9 +81,7 @@ def measure(name: str, cfg) -> tuple[dict, tuple]:
     mesh = program.mesh
     shapes = param_shapes(cfg.model)
     psi = sum(s.size for s in jax.tree.leaves(shapes))
-    t = time.perf_counter()
-    compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
-    compile_s = time.perf_counter() - t
+    compiled, compile_s = compile_step(program)
     report = analyze(compiled, mesh)
     sent, received = compiled_device_traffic(compiled, mesh)
     sent, received = sent.ravel(), received.ravel()  # mesh position 0 is device 0 (rank 0 of data)
@@ -99,7 +90,7 @@ def measure(name: str, cfg) -> tuple[dict, tuple]:
     kinds = sorted({c.kind for c in report.select(spans="data")})
     return {
         "mode": name, "data_mode": cfg.parallel.data_mode, "zero": cfg.parallel.zero,
-        "mesh": {a: int(mesh.shape[a]) for a in mesh.axis_names}, "psi": psi,
+        "mesh": mesh_dict(mesh), "psi": psi,
         "compile_s": compile_s,
         "bytes_per_step": {
             "device0": {"sent": float(sent[0]), "received": float(received[0])},
@@ -108,8 +99,7 @@ def measure(name: str, cfg) -> tuple[dict, tuple]:
             "per_device_sent": sent.tolist(), "per_device_received": received.tolist()},
         "collective_kinds_over_data": kinds,
         "collectives_over_data": len(report.select(spans="data")),
-        "memory": {"xla_plan_per_device": {"argument_bytes": mem.argument_bytes, "temp_bytes": mem.temp_bytes,
-                                           "output_bytes": mem.output_bytes, "alias_bytes": mem.alias_bytes},
+        "memory": {"xla_plan_per_device": memory_bytes(mem),
                    "live_state_device0": live0, "live_state_others": live_other},
     }, (cfg, program, compiled)
 
@@ -120,17 +110,11 @@ def time_interleaved(runs: list, warmup: int, steps: int) -> list[tuple[list[flo
     each first. Batches are built before the clock starts; each step is timed from dispatch to
     `jax.block_until_ready` of its state and metrics (as in step_time.py). Returns (times, last loss)."""
     import jax
-    from jaxpar.train.data import batch_at, make_source
 
     live = []
     for cfg, program, compiled in runs:
-        source = make_source(cfg)
-        state = program.init(jax.random.key(cfg.train.seed))
-        batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(warmup + steps)]
-        for batch in batches[:warmup]:
-            state, _ = compiled(state, batch)
-        jax.block_until_ready((state, batches))
-        live.append([compiled, state, batches[warmup:], [], None])
+        state, batches = warmed_up(cfg, program, compiled, warmup, steps)
+        live.append([compiled, state, batches, [], None])
     for k in range(steps):
         for run in live:
             compiled, state, batches, times, _ = run
@@ -140,10 +124,6 @@ def time_interleaved(runs: list, warmup: int, steps: int) -> list[tuple[list[flo
             times.append(time.perf_counter() - t)
             run[1], run[4] = state, metrics
     return [(times, float(metrics["loss"])) for _, _, _, times, metrics in live]
-
-
-def mib(x: float) -> str:
-    return f"{x / 2**20:.2f}"
 
 
 def markdown(rows: list[dict], machine: dict, cfg, command: str) -> str:
@@ -188,51 +168,41 @@ def main(argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import jax
     from jaxpar.config import load_config
-    from jaxpar.mesh import use_cpu_devices
 
-    jax.config.update("jax_platforms", "cpu")  # --devices means simulated CPU devices, even on a GPU host
-    base = [] if args.config else list(DEFAULTS)
-    common = base + [f"runtime.cpu_devices={args.devices}", "mesh.data=-1", "mesh.stage=1", "mesh.model=1",
-                     "parallel.microbatches=1"] + list(args.overrides)
+    common = overrides(args, DEFAULTS, "mesh.data=-1", "mesh.stage=1", "mesh.model=1", "parallel.microbatches=1")
     modes = dict(MODES)
     cfgs = [(name, load_config(args.config, common + list(modes[name]))) for name in args.modes]  # all checked first
-    use_cpu_devices(args.devices)
-    load = os.getloadavg()[0]
+    simulated_cpu(args.devices)  # --devices means simulated CPU devices, even on a GPU host
+    load = load_avg()
 
     rows, runs = [], []
     for name, cfg in cfgs:
         r, run_ = measure(name, cfg)
         rows.append(r)
         runs.append(run_)
-    load_timing = os.getloadavg()[0]
+    load_timing = load_avg()
     for r, (times, loss) in zip(rows, time_interleaved(runs, args.warmup, args.steps)):
         r.update(steps=args.steps, warmup=args.warmup, final_loss=loss, step_times_s=times,
-                 step_time_s={"median": statistics.median(times), "min": min(times), "max": max(times)})
+                 step_time_s=summary(times))
         b = r["bytes_per_step"]
         print(f"{r['mode']}: median {r['step_time_s']['median'] * 1e3:.1f} ms, device 0 sent {mib(b['device0']['sent'])} "
               f"received {mib(b['device0']['received'])} MiB, others sent <= {mib(b['others']['sent_max'])} "
               f"received <= {mib(b['others']['received_max'])} MiB (compile {r['compile_s']:.1f} s)", flush=True)
 
-    machine = {**machine_info(), "load_avg_1m_at_start": round(load, 2),
-               "load_avg_1m_before_timing": round(load_timing, 2), "load_avg_1m_after_timing": round(os.getloadavg()[0], 2)}
-    command = " ".join(["python", "benchmarks/naive_dp.py"] + sys.argv[1:])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = {**machine_info(), "load_avg_1m_at_start": load,
+               "load_avg_1m_before_timing": load_timing, "load_avg_1m_after_timing": load_avg()}
+    cmd = command("naive_dp.py")
     result = {
-        "benchmark": "naive_dp", "date": machine["date"], "command": command, "machine": machine,
+        "benchmark": "naive_dp", "date": machine["date"], "command": cmd, "machine": machine,
         "config": cfgs[0][1].to_dict(),  # data_mode and zero: as in each row
         "timing": ("modes timed in turns, one step of each per round; each step timed alone, dispatch to "
                    "jax.block_until_ready on the new state and metrics; batches prebuilt; compile_s is AOT "
                    "lower+compile of the step; load averages: other work on the cores (2 cores: 2.0 = busy)"),
         "rows": rows,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(rows, machine, cfgs[0][1], command)
-    out.with_suffix(".md").write_text(f"# Naive data parallelism vs DDP and ZeRO ({machine['platform']})\n\n" + table)
-    print(table)
-    print(f"-> {out}, {out.with_suffix('.md')}")
+    write_result(args.out, result, markdown(rows, machine, cfgs[0][1], cmd),
+                 f"Naive data parallelism vs DDP and ZeRO ({machine['platform']})")
     return 0
 
 

@@ -23,17 +23,14 @@ gradients) and those outside the loops (embedding, output head, loss) are listed
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import guarded, machine_info  # noqa: E402  (the same machine description as step_time.py)
-from zero import wire_bytes  # noqa: E402  (the same ring estimates as zero.py)
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import (add_config_args, add_devices_arg, add_out_arg, command, guarded, machine_info,  # noqa: E402
+                    memory_bytes, mesh_dict, mib, overrides, simulated_cpu, wire_bytes, write_result)
 # The default model when no --config is given (user --set overrides come after these).
 DEFAULTS = ("model.arch=llama", "model.n_layers=2", "model.d_model=256", "model.n_heads=8",
             "model.n_kv_heads=8", "model.d_ff=1024", "model.vocab_size=512", "model.seq_len=128",
@@ -44,17 +41,12 @@ ABBREV = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS"}
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=None,
-                   help="YAML config (default: llama, 2 layers, d_model 256, 8 heads, d_ff 1024, "
-                        "vocab 512, seq_len 128, global batch 16, remat none)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
-                   help="override a config key, e.g. --set model.d_model=512 (repeatable)")
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    add_config_args(p, "YAML config (default: llama, 2 layers, d_model 256, 8 heads, d_ff 1024, "
+                       "vocab 512, seq_len 128, global batch 16, remat none)", "model.d_model=512")
+    add_devices_arg(p)
     p.add_argument("--t", dest="tp_sizes", type=int, nargs="+", default=[2, 4, 8],
                    help="model-axis sizes to compare (default 2 4 8); each must divide --devices")
-    p.add_argument("--out", default=str(RESULTS / "tensor_parallel_cpu.json"),
-                   help="JSON output; the Markdown table goes next to it with suffix .md "
-                        "(default: benchmarks/results/tensor_parallel_cpu.json)")
+    add_out_arg(p, "tensor_parallel_cpu.json")
     args = p.parse_args(argv)
     if args.devices < 1 or any(t < 1 or args.devices % t for t in args.tp_sizes):
         p.error(f"every --t must be a positive divisor of --devices = {args.devices}")
@@ -109,7 +101,7 @@ def measure(cfg) -> dict:
     mem = report.memory
     return {
         "t": t, "sequence_parallel": par.sequence_parallel,
-        "mesh": {a: int(mesh.shape[a]) for a in mesh.axis_names},
+        "mesh": mesh_dict(mesh),
         "b": b, "s": m.seq_len, "h": m.d_model, "itemsize": itemsize, "bsh_bytes": act,
         "predicted_result_bytes": {k: v for k, v in predicted_bytes.items()
                                    if (k == "all-reduce") != par.sequence_parallel},
@@ -118,8 +110,7 @@ def measure(cfg) -> dict:
         "wire_bytes_per_layer": wire,
         "wire_bytes_per_layer_predicted": wire_predicted,
         "wire_ratio_measured_to_predicted": wire / wire_predicted if wire_predicted else None,
-        "memory": {"argument_bytes": mem.argument_bytes, "output_bytes": mem.output_bytes,
-                   "temp_bytes": mem.temp_bytes, "alias_bytes": mem.alias_bytes},
+        "memory": memory_bytes(mem),
         "small_in_loop_model_collectives": [collective_dict(c) for c in small],
         "outside_loop_model_collectives": [collective_dict(c) for c in
                                            report.select(spans="model", in_loop=False)],
@@ -129,10 +120,6 @@ def measure(cfg) -> dict:
 
 def kib(x: float) -> str:
     return f"{x / 2**10:.0f}"
-
-
-def mib(x: float) -> str:
-    return f"{x / 2**20:.2f}"
 
 
 def order(kind: str) -> int:
@@ -194,14 +181,12 @@ def main(argv: list[str]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from jaxpar.config import load_config
-    from jaxpar.mesh import use_cpu_devices
 
-    base = [] if args.config else list(DEFAULTS)
-    common = base + [f"runtime.cpu_devices={args.devices}", "mesh.stage=1"] + list(args.overrides)
+    common = overrides(args, DEFAULTS, "mesh.stage=1")
     cfgs = [load_config(args.config, common + [f"mesh.data={args.devices // t}", f"mesh.model={t}",
                                                f"parallel.sequence_parallel={sp}", "parallel.microbatches=1"])
             for t in args.tp_sizes for sp in (False, True)]  # every config is checked before anything compiles
-    use_cpu_devices(args.devices)  # jax_platforms=cpu, jax_num_cpu_devices=N, before any backend starts
+    simulated_cpu(args.devices)  # jax_platforms=cpu, jax_num_cpu_devices=N, before any backend starts
 
     rows = []
     for cfg in cfgs:
@@ -220,22 +205,16 @@ def run(args: argparse.Namespace) -> int:
             r["temp_saved_in_bsh_activations"] = saved / (r["bsh_bytes"] * (r["t"] - 1) / r["t"])
 
     machine = machine_info()
-    command = " ".join(["python", "benchmarks/tensor_parallel.py"] + sys.argv[1:])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = command("tensor_parallel.py")
     result = {
-        "benchmark": "tensor_parallel", "date": machine["date"], "command": command, "machine": machine,
+        "benchmark": "tensor_parallel", "date": machine["date"], "command": cmd, "machine": machine,
         "config": cfgs[0].to_dict(),  # mesh and parallel.sequence_parallel: as in each row
         "method": ("AOT lower+compile of the train step per (t, SP); collectives and memory from "
                    "jaxpar.inspect.analyze; nothing executed"),
         "rows": rows,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(rows, machine, cfgs[0], command)
-    out.with_suffix(".md").write_text(
-        f"# Tensor and sequence parallelism: per-layer collectives and memory ({machine['platform']})\n\n" + table)
-    print(table)
-    print(f"-> {out}, {out.with_suffix('.md')}")
+    write_result(args.out, result, markdown(rows, machine, cfgs[0], cmd),
+                 f"Tensor and sequence parallelism: per-layer collectives and memory ({machine['platform']})")
     return 0
 
 

@@ -20,19 +20,14 @@ everywhere and divides every d·m.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import guarded, machine_info, time_steps  # noqa: E402
-from zero import wire_bytes  # noqa: E402  (the ring estimates of zero.py)
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import (TIMING, add_config_args, add_devices_arg, add_out_arg, add_timing_args,  # noqa: E402
+                    check_timing_args, command, compile_step, guarded, load_avg, machine_info, memory_bytes,
+                    mib, overrides, simulated_cpu, summary, time_steps, wire_bytes, write_result)
 # 8 heads and 8 layers: every factorization of 8 devices can split them (t up to 8, p up to 8).
 DEFAULTS = ("model.arch=llama", "model.n_layers=8", "model.d_model=256", "model.n_heads=8", "model.d_ff=1024",
             "model.vocab_size=256", "model.seq_len=64", "train.global_batch=16", "parallel.zero=1")
@@ -41,21 +36,14 @@ AXES = ("data", "stage", "model")
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=None,
-                   help="YAML config (default: llama, 8 layers, d_model 256, 8 heads, d_ff 1024, vocab 256, "
-                        "seq_len 64, global_batch 16, ZeRO-1)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
-                   help="override a config key, e.g. --set parallel.zero=3 (repeatable)")
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    add_config_args(p, "YAML config (default: llama, 8 layers, d_model 256, 8 heads, d_ff 1024, vocab 256, "
+                       "seq_len 64, global_batch 16, ZeRO-1)", "parallel.zero=3")
+    add_devices_arg(p)
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule where stage > 1 (default 1f1b)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per mesh (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps after compiling (default 1)")
-    p.add_argument("--out", default=str(RESULTS / "three_d.json"),
-                   help="JSON output; the Markdown table goes next to it with suffix .md "
-                        "(default: benchmarks/results/three_d.json)")
+    add_timing_args(p, steps=5, warmup=1, per="mesh")
+    add_out_arg(p, "three_d.json")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.devices < 1:
-        p.error("--steps and --devices must be at least 1, --warmup at least 0")
+    check_timing_args(p, args)
     return args
 
 
@@ -87,9 +75,7 @@ def measure(cfg, args) -> dict:
 
     program = build(cfg)
     mesh = program.mesh
-    t = time.perf_counter()
-    compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
-    compile_s = time.perf_counter() - t
+    compiled, compile_s = compile_step(program)
     report = analyze(compiled, mesh)
     times, metrics = time_steps(cfg, program, compiled, args.warmup, args.steps)
     mem = report.memory
@@ -97,19 +83,13 @@ def measure(cfg, args) -> dict:
         "mesh": {a: int(mesh.shape[a]) for a in AXES},
         "schedule": cfg.parallel.schedule if mesh.shape["stage"] > 1 else None,
         "microbatches": cfg.parallel.microbatches,
-        "memory": {"argument_bytes": mem.argument_bytes, "temp_bytes": mem.temp_bytes,
-                   "output_bytes": mem.output_bytes, "alias_bytes": mem.alias_bytes,
-                   "argument_plus_temp": mem.argument_bytes + mem.temp_bytes},
+        "memory": dict(memory_bytes(mem), argument_plus_temp=mem.argument_bytes + mem.temp_bytes),
         "traffic_by_axes": by_axes(report, mesh),
         "compile_s": compile_s,
-        "step_time_s": {"median": statistics.median(times), "min": min(times), "max": max(times)},
+        "step_time_s": summary(times),
         "step_times_s": times,
         "final_loss": float(metrics["loss"]),
     }
-
-
-def mib(x: float) -> str:
-    return f"{x / 2**20:.2f}"
 
 
 def markdown(rows: list[dict], machine: dict, cfg, args, command: str) -> str:
@@ -161,18 +141,14 @@ def main(argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import jax
     from jaxpar.config import load_config
-    from jaxpar.mesh import use_cpu_devices
 
-    jax.config.update("jax_platforms", "cpu")  # --devices means simulated CPU devices, even on a GPU host
-    base = [] if args.config else list(DEFAULTS)
-    common = base + [f"runtime.cpu_devices={args.devices}", f"parallel.schedule={args.schedule}"] + list(args.overrides)
+    common = overrides(args, DEFAULTS, f"parallel.schedule={args.schedule}")
     cfgs = [load_config(args.config, common + [f"mesh.data={d}", f"mesh.stage={p}", f"mesh.model={t}",
                                                f"parallel.microbatches={p}"])
             for d, p, t in factorizations(args.devices)]  # every config is checked before anything compiles
-    use_cpu_devices(args.devices)
-    load = os.getloadavg()[0]  # other work on the cores when the run started (2 cores: 2.0 = busy)
+    simulated_cpu(args.devices)  # --devices means simulated CPU devices, even on a GPU host
+    load = load_avg()  # other work on the cores when the run started (2 cores: 2.0 = busy)
 
     rows = []
     for cfg in cfgs:
@@ -184,24 +160,17 @@ def run(args: argparse.Namespace) -> int:
               + f" MiB/step, median {r['step_time_s']['median'] * 1e3:.0f} ms (compile {r['compile_s']:.1f} s)",
               flush=True)
 
-    machine = {**machine_info(), "load_avg_1m_at_start": round(load, 2)}
-    command = " ".join(["python", "benchmarks/three_d.py"] + sys.argv[1:])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = {**machine_info(), "load_avg_1m_at_start": load}
+    cmd = command("three_d.py")
     result = {
-        "benchmark": "three_d", "date": machine["date"], "command": command, "machine": machine,
+        "benchmark": "three_d", "date": machine["date"], "command": cmd, "machine": machine,
         "config": cfgs[0].to_dict(),  # mesh and parallel.microbatches: as in each row
-        "timing": ("each step timed alone, dispatch to jax.block_until_ready on the new state and metrics; "
-                   "batches prebuilt with batch_at before timing; compile_s is AOT lower+compile of the step; "
+        "timing": (TIMING + "; compile_s is AOT lower+compile of the step; "
                    "machine.load_avg_1m_at_start: other work on the cores when the run started"),
         "rows": rows,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(rows, machine, cfgs[0], args, command)
-    out.with_suffix(".md").write_text(f"# 3D composition: every factorization of {args.devices} devices "
-                                      f"({machine['platform']})\n\n" + table)
-    print(table)
-    print(f"-> {out}, {out.with_suffix('.md')}")
+    write_result(args.out, result, markdown(rows, machine, cfgs[0], args, cmd),
+                 f"3D composition: every factorization of {args.devices} devices ({machine['platform']})")
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (TIMING, add_config_args, add_devices_arg, add_out_arg, add_timing_args,  # noqa: E402
-                    check_timing_args, command, compile_step, guarded, machine_info, memory_bytes, mib,
+                    check_timing_args, command, compile_step, guarded, machine_info, memory_bytes, mesh_dict, mib,
                     overrides, simulated_cpu, summary, time_steps, wire_bytes, write_result)
 STAGES = (0, 1, 2, 3)
 # The default model when no --config is given (user --set overrides come after these).
@@ -102,7 +102,7 @@ def measure(cfg, args) -> dict:
     po_layout = layout["params"] + layout["optimizer"]
     mem = report.memory
     return {
-        "zero": zero, "mesh": {a: int(mesh.shape[a]) for a in mesh.axis_names},
+        "zero": zero, "mesh": mesh_dict(mesh),
         "psi": psi, "param_itemsize": itemsize,
         "predicted_formula": dict(formula, total=sum(formula.values())),
         "layout_accounting": dict(layout, total=sum(layout.values())),
