@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import RESULTS, guarded, machine_info  # noqa: E402
+from common import RESULTS, guarded, machine_info, simulated_cpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = {"arch": "llama", "n_layers": 8, "d_model": 512, "n_heads": 8, "n_kv_heads": 4, "d_ff": 2048,
@@ -269,12 +269,7 @@ def load_average() -> list[float]:
 
 
 def run(args) -> int:
-    from jaxpar.mesh import use_cpu_devices
-
-    use_cpu_devices(8)
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
+    simulated_cpu(8)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"load_average_start": load_average(), "machine": machine_info(), "command": sys.argv,

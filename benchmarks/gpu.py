@@ -11,14 +11,13 @@ bf16 peak (given with --peak-tflops) and, separately, by the matmul rate measure
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import machine_info, time_steps  # noqa: E402
+from common import compile_step, machine_info, summary, time_steps, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,10 +67,7 @@ def run_case(name, preset, overrides, steps, warmup, peak, measured):
 
     cfg = load_config(ROOT / "configs" / f"{preset}.yaml", ["data.source=synthetic", "mesh.data=1", *overrides])
     program = build(cfg)
-    t = time.perf_counter()
-    lowered = program.step.lower(program.abstract_state(), program.abstract_batch())
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - t
+    compiled, compile_s = compile_step(program)
     hlo = compiled.as_text()
     mem = compiled.memory_analysis()
     times, metrics = time_steps(cfg, program, compiled, warmup, steps)
@@ -82,7 +78,7 @@ def run_case(name, preset, overrides, steps, warmup, peak, measured):
     return {
         "case": name, "overrides": overrides, "config": cfg.to_dict(),
         "non_embedding_params": n_nonembed, "tokens_per_step": tokens,
-        "step_time_s": {"median": median, "min": min(times), "max": max(times)},
+        "step_time_s": summary(times),
         "tokens_per_s": tokens / median, "model_tflops_per_s": achieved,
         "mfu_vs_datasheet": achieved / peak, "mfu_vs_measured_matmul": achieved / measured,
         "compile_s": compile_s, "final_loss": float(metrics["loss"]),
@@ -132,8 +128,7 @@ def main(argv: list[str]) -> int:
     out = {"machine": machine_info(), "datasheet_bf16_tflops": args.peak_tflops,
            "measured_matmul_bf16_tflops": measured, "xla_flags": xla.describe(), "cases": results, "command": sys.argv,
            "timing": "each step timed alone, dispatch to block_until_ready; batches prebuilt"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.out, out)
     return 0
 
 

@@ -18,14 +18,12 @@ Nothing is timed: these are properties of the compiled program.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import guarded, machine_info  # noqa: E402
+from common import add_out_arg, command, guarded, machine_info, memory_bytes, simulated_cpu, write_result  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = ("model.arch=llama", "model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.d_ff=1024",
          "model.vocab_size=256", "model.seq_len=16", "model.dtype=bfloat16", "train.global_batch=8",
          "mesh.data=8")
@@ -45,21 +43,18 @@ def textbook(mode: str, zero: int, d: int) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(RESULTS / "master_weights_cpu.json"))
+    add_out_arg(p, "master_weights_cpu.json")
     return guarded(run, p.parse_args(argv))
 
 
 def run(args) -> int:
-    import jax
     from jaxpar import model
     from jaxpar.config import load_config
     from jaxpar.costs import memory
     from jaxpar.inspect import analyze
-    from jaxpar.mesh import use_cpu_devices
     from jaxpar.train.step import lower_step
 
-    jax.config.update("jax_platforms", "cpu")
-    use_cpu_devices(8)
+    simulated_cpu(8)
     rows = []
     for mode, keys in MODES.items():
         for zero in (0, 1, 2, 3):
@@ -77,19 +72,16 @@ def run(args) -> int:
                    "textbook": dict(book, stored=book["params"] + book["optimizer"], total=sum(book.values())),
                    "predicted_total_per_param": predicted["total"] / psi,
                    "predicted": predicted,
-                   "memory": {"argument_bytes": mem.argument_bytes, "temp_bytes": mem.temp_bytes,
-                              "output_bytes": mem.output_bytes, "alias_bytes": mem.alias_bytes}}
+                   "memory": memory_bytes(mem)}
             rows.append(row)
             print(f"{mode}, ZeRO-{zero}: arguments {row['arguments_per_param']:.3f} B/param (textbook stored "
                   f"{row['textbook']['stored']:.3f}), temp {row['temp_per_param']:.3f}, total "
                   f"{row['total_per_param']:.3f} (textbook state {row['textbook']['total']:.3f}, planner "
                   f"{row['predicted_total_per_param']:.3f})", flush=True)
     machine = machine_info()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python", "benchmarks/master_weights.py"] + sys.argv[1:])
-    out.write_text(json.dumps({"benchmark": "master_weights", "date": machine["date"], "command": command,
-                               "machine": machine, "model_overrides": list(MODEL), "rows": rows}, indent=2) + "\n")
+    cmd = command("master_weights.py")
+    result = {"benchmark": "master_weights", "date": machine["date"], "command": cmd,
+              "machine": machine, "model_overrides": list(MODEL), "rows": rows}
     lines = ["| mode | ZeRO | textbook params + grads + optimizer | textbook stored (params + opt.) | "
              "measured arguments | measured temp | measured total | planner total |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -102,9 +94,8 @@ def run(args) -> int:
     table = "\n".join(lines)
     note = (f"\n\nBytes per parameter per device (Ψ = {rows[0]['psi']:,}), data = 8. Measured {machine['date']} on "
             f"8 simulated CPU devices on {machine['cpu_count']} shared cores ({machine['cpu_model']}), jax "
-            f"{machine['jax_version']}; `compiled.memory_analysis()` of the train step. Command: `{command}`\n")
-    out.with_suffix(".md").write_text("# Master weights: bytes per parameter (cpu)\n\n" + table + note)
-    print(table + note)
+            f"{machine['jax_version']}; `compiled.memory_analysis()` of the train step. Command: `{cmd}`\n")
+    write_result(args.out, result, table + note, "Master weights: bytes per parameter (cpu)")
     return 0
 
 

@@ -51,7 +51,6 @@ the table gives each variant's TFLOP/s on the ideal grouped FLOPs (the FLOPs a d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -60,9 +59,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import guarded, machine_info  # noqa: E402  (the same machine description as step_time.py)
+from common import (RESULTS, command, compile_step, guarded, load_avg, machine_info, memory_bytes,  # noqa: E402
+                    mesh_dict, mib, simulated_cpu, summary, warmed_up, write_result)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # The model (user --set overrides come after these): llama, 8 experts of width 128, top-2.
 MODEL = ("model.arch=llama", "model.d_model=128", "model.n_heads=4", "model.vocab_size=256",
          "model.seq_len=128", "train.global_batch=16")
@@ -181,9 +180,7 @@ def measure(name: str, cfg, hlo_dir: str | None = None) -> tuple[dict, tuple]:
 
     program = build(cfg)
     mesh = program.mesh
-    t = time.perf_counter()
-    compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
-    compile_s = time.perf_counter() - t
+    compiled, compile_s = compile_step(program)
     if hlo_dir:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)
         (Path(hlo_dir) / f"{name}.hlo.txt").write_text(compiled.as_text())
@@ -194,14 +191,13 @@ def measure(name: str, cfg, hlo_dir: str | None = None) -> tuple[dict, tuple]:
     ideal = ideal_all_to_all_bytes(cfg)
     measured = report.traffic(kind="all-to-all", spans="data")
     return {
-        "case": name, "mesh": {a: int(mesh.shape[a]) for a in mesh.axis_names},
+        "case": name, "mesh": mesh_dict(mesh),
         "expert_parallel": bool(cfg.model.moe and cfg.parallel.expert_parallel and cfg.mesh.data > 1),
         "schedule": cfg.parallel.schedule if cfg.mesh.stage > 1 else None,
         "microbatches": cfg.parallel.microbatches,
         "params_total": total, "params_active": active,
         "compile_s": compile_s,
-        "memory": {"argument_bytes": mem.argument_bytes, "temp_bytes": mem.temp_bytes,
-                   "output_bytes": mem.output_bytes, "alias_bytes": mem.alias_bytes},
+        "memory": memory_bytes(mem),
         "all_to_all_data": {
             "bytes_per_step": measured, "ideal_dropless_bytes_per_step": ideal,
             "ratio_to_ideal": measured / ideal if ideal else None,
@@ -225,17 +221,11 @@ def time_interleaved(runs: list, warmup: int, steps: int) -> list[dict]:
     every other round), after `warmup` untimed steps each; batches built before the clock starts;
     each step timed (wall and process CPU) from dispatch to `jax.block_until_ready`."""
     import jax
-    from jaxpar.train.data import batch_at, make_source
 
     live = []
     for cfg, program, compiled in runs:
-        source = make_source(cfg)
-        state = program.init(jax.random.key(cfg.train.seed))
-        batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(warmup + steps)]
-        for batch in batches[:warmup]:
-            state, _ = compiled(state, batch)
-        jax.block_until_ready((state, batches))
-        live.append({"compiled": compiled, "state": state, "batches": batches[warmup:], "wall": [], "cpu": [],
+        state, batches = warmed_up(cfg, program, compiled, warmup, steps)
+        live.append({"compiled": compiled, "state": state, "batches": batches, "wall": [], "cpu": [],
                      "metrics": None})
     for k in range(steps):
         for run in (live if k % 2 == 0 else live[::-1]):
@@ -405,10 +395,6 @@ def micro(sizes, reps: int, dtype: str = "float32") -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 
-def mib(x: float) -> str:
-    return f"{x / 2**20:.2f}"
-
-
 def markdown(rows: list[dict], micro_rows: list[dict], machine: dict, cfg, command: str, args) -> str:
     head = ["case", "mesh (d,p,t)", "params total / active", "median step (ms)", "tokens/s",
             "CPU s/step", "argument MiB/device", "temp MiB/device", "all-to-all over data MiB/step",
@@ -513,7 +499,6 @@ def main(argv: list[str]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     import jax
-    from jaxpar.mesh import use_cpu_devices
 
     if not args.gpu:
         jax.config.update("jax_platforms", "cpu")
@@ -525,8 +510,8 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     else:
-        use_cpu_devices(8)  # the pool for any program (the pipeline's collectives need it): the same for every case
-    load = os.getloadavg()[0]
+        simulated_cpu(8)  # the pool for any program (the pipeline's collectives need it): the same for every case
+    load = load_avg()
     t_start = time.perf_counter()
 
     rows, runs = [], []
@@ -538,13 +523,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}: compiled in {r['compile_s']:.1f} s, args {mib(r['memory']['argument_bytes'])} MiB, temp "
               f"{mib(r['memory']['temp_bytes'])} MiB, all-to-all {mib(a['bytes_per_step'])} MiB/step "
               f"(ideal {mib(a['ideal_dropless_bytes_per_step'])})", flush=True)
-    load_timing = os.getloadavg()[0]
+    load_timing = load_avg()
     for r, (cfg_name, cfg), res in zip(rows, cfgs, time_interleaved(runs, args.warmup, args.steps)):
         tokens = cfg.train.global_batch * cfg.model.seq_len
         med = statistics.median(res["wall"])
         r.update(steps=args.steps, warmup=args.warmup, final_loss=res["loss"], moe_metrics=res["moe"],
                  step_times_s=res["wall"], cpu_s_per_step_all=res["cpu"],
-                 step_time_s={"median": med, "min": min(res["wall"]), "max": max(res["wall"])},
+                 step_time_s=summary(res["wall"]),
                  cpu_s_per_step={"median": statistics.median(res["cpu"]), "mean": statistics.fmean(res["cpu"])},
                  tokens_per_step=tokens, tokens_per_s=tokens / med)
         if args.gpu:
@@ -562,17 +547,16 @@ def run(args: argparse.Namespace) -> int:
               f"{r['cpu_s_per_step']['median']:.2f} s/step, loss {res['loss']:.4f}"
               + (f", {r['model_tflops_per_s']:.0f} model TFLOP/s, MFU {r['mfu']:.1%}" if r.get("mfu") else ""),
               flush=True)
-    load_after = os.getloadavg()[0]
+    load_after = load_avg()
 
     def write(micro_rows: list[dict]) -> None:
         """The JSON and Markdown of what is measured so far (after each part: a device's time is scarce)."""
         machine = {**machine_info(), "pjrt_nproc": os.environ.get("PJRT_NPROC", "XLA default"),
-                   "load_avg_1m_at_start": round(load, 2), "load_avg_1m_before_timing": round(load_timing, 2),
-                   "load_avg_1m_after_timing": round(load_after, 2),
-                   "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}
-        command = " ".join(["python", "benchmarks/moe.py"] + sys.argv[1:])
+                   "load_avg_1m_at_start": load, "load_avg_1m_before_timing": load_timing,
+                   "load_avg_1m_after_timing": load_after, "load_avg_1m_at_end": load_avg()}
+        cmd = command("moe.py")
         result = {
-            "benchmark": "moe", "date": machine["date"], "command": command, "machine": machine,
+            "benchmark": "moe", "date": machine["date"], "command": cmd, "machine": machine,
             "wall_s": time.perf_counter() - t_start,
             "config": {name: cfg.to_dict() for name, cfg in cfgs},
             "timing": ("cases timed in turns, one step of each per round, order reversed every other round; each "
@@ -582,15 +566,12 @@ def run(args: argparse.Namespace) -> int:
                        "(2 cores: 2.0 = busy)"),
             "rows": rows, "micro": micro_rows,
         }
-        table = (markdown_gpu(rows, micro_rows, machine, cfgs[0][1], command) if args.gpu
-                 else markdown(rows, micro_rows, machine, cfgs[0][1], command, args))
-        print(table)
+        table = (markdown_gpu(rows, micro_rows, machine, cfgs[0][1], cmd) if args.gpu
+                 else markdown(rows, micro_rows, machine, cfgs[0][1], cmd, args))
         if args.out:
-            out = Path(args.out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=2) + "\n")
-            out.with_suffix(".md").write_text(f"# Mixture of experts ({machine['platform']})\n\n" + table)
-            print(f"-> {out}, {out.with_suffix('.md')}")
+            write_result(args.out, result, table, f"Mixture of experts ({machine['platform']})")
+        else:
+            print(table)
 
     if args.no_micro:
         write([])

@@ -71,16 +71,15 @@ def live_state_bytes(cfg, program, shapes) -> tuple[int, int]:
 
 
 def measure(name: str, cfg) -> tuple[dict, tuple]:
-    import jax
     import numpy as np
     from jaxpar.inspect import analyze, compiled_device_traffic
-    from jaxpar.model import param_shapes
+    from jaxpar.model import count_params, param_shapes
     from jaxpar.train.step import build
 
     program = build(cfg)
     mesh = program.mesh
     shapes = param_shapes(cfg.model)
-    psi = sum(s.size for s in jax.tree.leaves(shapes))
+    psi = count_params(cfg.model)
     compiled, compile_s = compile_step(program)
     report = analyze(compiled, mesh)
     sent, received = compiled_device_traffic(compiled, mesh)

@@ -20,16 +20,15 @@ copies cost as XLA:CPU runs them, not a PCIe transfer (that needs a GPU).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import guarded, machine_info  # noqa: E402
+from common import (add_config_args, add_devices_arg, add_out_arg, add_timing_args, check_timing_args, command,  # noqa: E402
+                    compile_step, guarded, machine_info, mib, overrides, simulated_cpu, write_result)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 STAGES = (0, 1, 3)
 DEFAULTS = ("model.arch=llama", "model.n_layers=4", "model.d_model=256", "model.n_heads=4",
             "model.d_ff=1024", "model.vocab_size=256", "model.seq_len=64", "train.global_batch=16")
@@ -37,20 +36,13 @@ DEFAULTS = ("model.arch=llama", "model.n_layers=4", "model.d_model=256", "model.
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
-                   help="override a config key (repeatable); default model: benchmarks/zero.py's")
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per program (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
-    p.add_argument("--out", default=str(RESULTS / "offload_cpu.json"), help="JSON output (.md beside it)")
+    add_config_args(p, None, "model.d_model=512")  # the model: benchmarks/zero.py's
+    add_devices_arg(p)
+    add_timing_args(p, steps=10, warmup=2, per="program")
+    add_out_arg(p, "offload_cpu.json")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.devices < 1:
-        p.error("--steps and --devices must be at least 1, --warmup at least 0")
+    check_timing_args(p, args)
     return args
-
-
-def mib(x: float) -> str:
-    return f"{x / 2**20:.2f}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,16 +50,15 @@ def run(args: argparse.Namespace) -> int:
     from jaxpar import model
     from jaxpar.config import load_config
     from jaxpar.inspect import analyze
-    from jaxpar.mesh import make_mesh, use_cpu_devices
+    from jaxpar.mesh import make_mesh
     from jaxpar.parallel.zero import state_bytes
     from jaxpar.train.data import batch_at, make_source
     from jaxpar.train.step import build
 
-    jax.config.update("jax_platforms", "cpu")
-    common = list(DEFAULTS) + [f"runtime.cpu_devices={args.devices}"] + list(args.overrides)
+    common = overrides(args, DEFAULTS)
     cfgs = {(z, o): load_config(None, common + [f"parallel.zero={z}", f"parallel.offload={o}"])
             for z in STAGES for o in ("none", "optimizer")}
-    use_cpu_devices(args.devices)
+    simulated_cpu(args.devices)  # --devices means simulated CPU devices, even on a GPU host
     rows = []
     for z in STAGES:
         programs, steps, states = {}, {}, {}
@@ -76,9 +67,7 @@ def run(args: argparse.Namespace) -> int:
             mesh = make_mesh(cfg)
             program = build(cfg, mesh)
             state = program.init(jax.random.key(cfg.train.seed))
-            t = time.perf_counter()
-            compiled = program.step.lower(state, program.abstract_batch()).compile()
-            compile_s = time.perf_counter() - t
+            compiled, compile_s = compile_step(program, state)
             mem = analyze(compiled, mesh).memory
             shapes = model.param_shapes(cfg.model)
             opt = state_bytes(program.layout, shapes, mesh)["optimizer"]["per_device"]
@@ -106,14 +95,11 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['step_time_s']['median'] * 1e3:.1f} ms", flush=True)
 
     machine = machine_info()
-    command = " ".join(["python", "benchmarks/offload.py"] + sys.argv[1:])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "offload", "date": machine["date"], "command": command,
-                               "machine": machine, "config": cfgs[0, "none"].to_dict(), "rows": rows},
-                              indent=2) + "\n")
+    cmd = command("offload.py")
+    result = {"benchmark": "offload", "date": machine["date"], "command": cmd,
+              "machine": machine, "config": cfgs[0, "none"].to_dict(), "rows": rows}
     lines = [f"# parallel.offload: optimizer ({machine['platform']})", "",
-             f"`{command}`; {machine.get('cpu_model')}, {machine.get('cpu_count')} cores, jax {machine['jax_version']}, "
+             f"`{cmd}`; {machine.get('cpu_model')}, {machine.get('cpu_count')} cores, jax {machine['jax_version']}, "
              f"{args.devices} simulated devices; MiB per device; steps timed in turns", "",
              "| ZeRO | offload | device args | host args | optimizer state | temp | median step (ms) |",
              "|---:|---|---:|---:|---:|---:|---:|"]
@@ -121,10 +107,7 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"| {r['zero']} | {r['offload']} | {mib(r['device_argument_bytes'])} | "
                      f"{mib(r['host_argument_bytes'])} | {mib(r['optimizer_bytes'])} | {mib(r['temp_bytes'])} | "
                      f"{r['step_time_s']['median'] * 1e3:.1f} |")
-    table = "\n".join(lines) + "\n"
-    out.with_suffix(".md").write_text(table)
-    print(table)
-    print(f"-> {out}, {out.with_suffix('.md')}")
+    write_result(args.out, result, "\n".join(lines) + "\n")
     return 0
 
 

@@ -22,16 +22,13 @@ interleaved_1f1b (p = 4, m = 8, v = 2) timelines as text and PNG.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import guarded, machine_info, time_steps  # noqa: E402  (the same machine description as step_time.py)
+from common import (TIMING, add_out_arg, add_timing_args, check_timing_args, command, compile_step,  # noqa: E402
+                    guarded, machine_info, simulated_cpu, summary, time_steps, write_result)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 P = 4                   # pipeline stages
 DEVICES = 8             # simulated CPU devices; the mesh takes the first P of them
 MICRO = 2               # sequences per microbatch
@@ -51,14 +48,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=MODEL["n_layers"],
                    help=f"model.n_layers (default {MODEL['n_layers']}; interleaved_1f1b with v = 2 needs a "
                         f"multiple of {P * INTERLEAVED[1]} to run)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per (schedule, m) (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps after compiling (default 1)")
-    p.add_argument("--out", default=str(RESULTS / "pipeline_cpu.json"),
-                   help="JSON output; the Markdown table goes next to it with suffix .md, the timelines "
-                        "into the same folder (default: benchmarks/results/pipeline_cpu.json)")
+    add_timing_args(p, steps=5, warmup=1, per="(schedule, m)")
+    add_out_arg(p, "pipeline_cpu.json")  # the timelines go into the same folder
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or min(args.microbatches) < 1 or args.layers < 1:
-        p.error("--steps, --layers and --microbatches must be at least 1, --warmup at least 0")
+    check_timing_args(p, args)
+    if min(args.microbatches) < 1 or args.layers < 1:
+        p.error("--layers and --microbatches must be at least 1")
     return args
 
 
@@ -118,9 +113,7 @@ def measure(schedule: str, m: int, args, v: int = 1) -> dict:
     program = build(cfg, make_mesh(cfg, jax.devices()[:P]))
     table = table_of(build_schedule(schedule, P, m, v))
 
-    t = time.perf_counter()
-    compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
-    compile_s = time.perf_counter() - t
+    compiled, compile_s = compile_step(program)
     mem = compiled.memory_analysis()
 
     times, metrics = time_steps(cfg, program, compiled, args.warmup, args.steps)
@@ -132,7 +125,7 @@ def measure(schedule: str, m: int, args, v: int = 1) -> dict:
                                "bwd": table.bwd_slots},
             "slot_bytes": getattr(table, "chunks", 1) * (table.stash + table.fwd_slots + table.bwd_slots) * chunk_input,
             "chunk_input_bytes": chunk_input,
-            "step_time_s": {"median": statistics.median(times), "min": min(times), "max": max(times)},
+            "step_time_s": summary(times),
             "step_times_s": times, "final_loss": loss}
 
 
@@ -211,11 +204,7 @@ def main(argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import jax
-    from jaxpar.mesh import use_cpu_devices
-
-    jax.config.update("jax_platforms", "cpu")
-    use_cpu_devices(DEVICES)  # jax_num_cpu_devices = 8, before anything starts a backend
+    simulated_cpu(DEVICES)  # jax_num_cpu_devices = 8, before anything starts a backend
     from jaxpar.parallel.schedules import build
     from jaxpar.parallel.timeline import render_png, render_text
 
@@ -257,22 +246,18 @@ def run(args: argparse.Namespace) -> int:
         print(text)
 
     machine = machine_info()
-    command = " ".join(["python", "benchmarks/pipeline.py"] + sys.argv[1:])
+    cmd = command("pipeline.py")
     result = {
-        "benchmark": "pipeline", "date": machine["date"], "command": command, "machine": machine,
+        "benchmark": "pipeline", "date": machine["date"], "command": cmd, "machine": machine,
         "model": dict(MODEL, n_layers=args.layers), "microbatch_sequences": MICRO, "stages": P,
         "simulated_devices": DEVICES,
         "mesh": {"data": 1, "stage": P, "model": 1}, "steps": args.steps, "warmup": args.warmup,
-        "timing": ("each step timed alone, dispatch to jax.block_until_ready on the new state and metrics; "
-                   "batches prebuilt with batch_at before timing; compile_s is AOT lower+compile of the step"),
+        "timing": TIMING + "; compile_s is AOT lower+compile of the step",
         "bubble": "idle stage-time / all stage-time (simulate), F=1 B=2 and F=B=1",
         "rows": rows, "timelines": timelines,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(rows, machine, args, command, status)
-    out.with_suffix(".md").write_text(f"# Pipeline schedules, p = {P} ({machine['platform']})\n\n" + table)
-    print(table)
-    print(f"-> {out}, {out.with_suffix('.md')}")
+    write_result(out, result, markdown(rows, machine, args, cmd, status),
+                 f"Pipeline schedules, p = {P} ({machine['platform']})")
     return 0
 
 

@@ -22,9 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import guarded, machine_info  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, guarded, machine_info, simulated_cpu  # noqa: E402
 
 MATRIX = {
     "one-device": dict(mesh=(1, 1, 1)),
@@ -62,8 +60,7 @@ def small(arch="llama", mesh=(8, 1, 1), L=4, N=4, K=2, **par):
 
 
 def run(args) -> int:
-    from jaxpar.mesh import use_cpu_devices
-    use_cpu_devices(8)
+    simulated_cpu(8)
     import jax
 
     from jaxpar.inspect import analyze

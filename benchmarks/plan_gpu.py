@@ -14,11 +14,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import guarded, machine_info, time_steps  # noqa: E402
+from common import compile_step, guarded, machine_info, time_steps  # noqa: E402
 
 CASES = {
     # name: (model preset, overrides of the model section, global batch, remat)
@@ -51,9 +50,7 @@ def run(args) -> int:
         row = {"name": name, "preset": preset, "overrides": over, "global_batch": batch, "remat": remat}
         try:
             program = build(cfg)
-            t0 = time.perf_counter()
-            compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
-            row["compile_s"] = time.perf_counter() - t0
+            compiled, row["compile_s"] = compile_step(program)
             mem = analyze(compiled, program.mesh).memory
             row["memory_measured"] = mem.argument_bytes + mem.temp_bytes
             pred = memory(cfg, (1, 1, 1), platform="gpu")

@@ -76,7 +76,7 @@ def traffic(report, mesh) -> dict:
 def measure(cfg, args) -> dict:
     import jax
     from jaxpar.inspect import analyze
-    from jaxpar.model import param_shapes
+    from jaxpar.model import count_params, param_shapes
     from jaxpar.parallel.zero import state_bytes
     from jaxpar.train.step import build
 
@@ -84,7 +84,7 @@ def measure(cfg, args) -> dict:
     mesh = program.mesh
     d, tp = int(mesh.shape["data"]), int(mesh.shape["stage"]) * int(mesh.shape["model"])
     shapes = param_shapes(cfg.model)
-    psi = sum(s.size for s in jax.tree.leaves(shapes))
+    psi = count_params(cfg.model)
     itemsize = jax.tree.leaves(shapes)[0].dtype.itemsize
     zero = cfg.parallel.zero
 
