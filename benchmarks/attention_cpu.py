@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
 
     import jaxpar.model.lse_attention as la
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from step_time import machine_info
+    from common import machine_info
 
     torch.set_num_threads(1)
 

@@ -232,3 +232,24 @@ def write_result(out: str | Path, result: dict, table: str, title: str | None = 
     out.with_suffix(".md").write_text((f"# {title}\n\n" if title else "") + table)
     print(table)
     print(f"-> {out}, {out.with_suffix('.md')}")
+
+
+# --------------------------------------------------------------------------------------------
+# Worker processes (a driver that runs each program in a process of its own)
+
+
+def say(kind: str, **data) -> None:
+    """A worker's message to its driver: one JSON line on stdout, {"kind": kind, **data}."""
+    print(json.dumps({"kind": kind, **data}), flush=True)
+
+
+def read_message(proc, who: str, kind: str | None = None) -> dict:
+    """The next `say` message (a stdout line that starts with "{") of the worker `proc`, skipping
+    other kinds where `kind` is given; exits naming `who` if the worker ends first."""
+    for line in proc.stdout:
+        if line.startswith("{"):
+            msg = json.loads(line)
+            if kind is None or msg["kind"] == kind:
+                return msg
+    raise SystemExit(f"{who} worker exited ({proc.wait()}) "
+                     + (f"before reporting {kind!r}" if kind else "without a report"))

@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
             runs[which].append(statistics.median(json.loads(out.strip().splitlines()[-1])))
             print(f"round {r + 1}: {which} {runs[which][-1]:.3f} CPU s per step", flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    from step_time import machine_info
+    from common import machine_info
     import torch
     result = {"benchmark": "one_thread", "command": "python benchmarks/one_thread.py " + " ".join(argv),
               "machine": machine_info(), "torch_version": torch.__version__, "sequences": args.sequences,

@@ -47,9 +47,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torch_pipeline import MICRO, P, QUICK, SHAPES, jaxpar_config, say  # noqa: E402  (the same model and config)
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, read_message, say  # noqa: E402
+from torch_pipeline import MICRO, P, QUICK, SHAPES, jaxpar_config  # noqa: E402  (the same model and config)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -109,7 +108,7 @@ def worker(args) -> int:
     import jax
     from jaxpar.train.data import batch_at, make_source
     from jaxpar.train.step import build
-    from step_time import machine_info
+    from common import machine_info
 
     program = build(cfg)
     t, c = time.perf_counter(), time.process_time()
@@ -168,10 +167,7 @@ class Worker:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     def read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise SystemExit(f"{self.kind} worker exited ({self.proc.wait()}) without a report")
+        return read_message(self.proc, self.kind)
 
     def run(self, n: int) -> dict:
         self.proc.stdin.write(json.dumps({"cmd": "run", "n": n}) + "\n")

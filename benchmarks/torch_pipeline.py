@@ -84,8 +84,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, read_message, say  # noqa: E402,F401  (say: also the workers' of torch_llama, pipeline_work)
 P = 4        # pipeline stages = torch ranks = simulated devices
 MICRO = 2    # sequences per microbatch
 SHAPES = {"layers": 8, "d-model": 256, "heads": 8, "kv-heads": 8, "d-ff": 704, "vocab": 1024, "seq": 128}
@@ -183,10 +182,6 @@ def malloc_trim() -> None:
         pass
 
 
-def say(kind: str, **data) -> None:
-    print(json.dumps({"kind": kind, **data}), flush=True)
-
-
 # --------------------------------------------------------------------------------------------
 # jaxpar workers
 
@@ -240,7 +235,7 @@ def jaxpar_worker(args) -> int:
     import numpy as np
     from jaxpar.train.data import batch_at, make_source
     from jaxpar.train.step import build, loss_fn
-    from step_time import machine_info
+    from common import machine_info
 
     progs, info = {}, {}
     n_batches = args.warmup + args.rounds + args.mem_steps + 1
@@ -341,12 +336,7 @@ class Worker:
                                      text=True, env=env)
 
     def read(self, kind: str) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                msg = json.loads(line)
-                if msg["kind"] == kind:
-                    return msg
-        raise SystemExit(f"{self.kind} worker exited ({self.proc.wait()}) before reporting {kind!r}")
+        return read_message(self.proc, self.kind, kind)
 
     def ask(self, reply: str, **cmd) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")

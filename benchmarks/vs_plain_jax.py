@@ -43,7 +43,8 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, read_message, say  # noqa: E402
 SHAPES = {"devices": 8, "layers": 8, "d-model": 256, "heads": 8, "kv-heads": 4, "d-ff": 704, "vocab": 1024,
           "seq": 128, "batch": 32}
 PEER_EPS = 1e-6  # plain_jax_llama.py's RMSNorm epsilon (jaxpar's default is 1e-5)
@@ -155,9 +156,6 @@ def peer_params_as_jaxpar(p: dict, like: dict) -> dict:
 def worker(args: argparse.Namespace) -> int:
     import numpy as np
 
-    def say(kind: str, **data):
-        print(json.dumps({"kind": kind, **data}), flush=True)
-
     if args.worker == "jaxpar":
         from jaxpar.mesh import cpu_threads, use_cpu_devices
         cfg = jaxpar_config(args)
@@ -191,7 +189,7 @@ def worker(args: argparse.Namespace) -> int:
             return (params, opt_state), loss
     else:
         from jaxpar.train.step import build, loss_fn
-        from step_time import machine_info
+        from common import machine_info
         program = build(cfg)
         sharding = program.batch_sharding
         compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
@@ -257,12 +255,7 @@ class Worker:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     def read(self, kind: str) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                msg = json.loads(line)
-                if msg["kind"] == kind:
-                    return msg
-        raise SystemExit(f"{self.name} worker exited ({self.proc.wait()}) before reporting {kind!r}")
+        return read_message(self.proc, self.name, kind)
 
     def step(self) -> dict:
         self.proc.stdin.write("step\n")
