@@ -31,15 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (add_config_args, add_devices_arg, add_out_arg, add_timing_args, command,  # noqa: E402
                     compile_step, guarded, load_avg, machine_info, memory_bytes, mesh_dict, mib, overrides,
                     simulated_cpu, summary, warmed_up, write_result)
+from zero import DEFAULTS  # noqa: E402  (zero.py's model when no --config is given)
 # (name, overrides): the modes compared.
 MODES = (("naive", ("parallel.data_mode=naive", "parallel.zero=0")),
          ("ddp", ("parallel.data_mode=ddp", "parallel.zero=0")),
          ("zero1", ("parallel.data_mode=ddp", "parallel.zero=1")),
          ("zero2", ("parallel.data_mode=ddp", "parallel.zero=2")),
          ("zero3", ("parallel.data_mode=ddp", "parallel.zero=3")))
-# The model of benchmarks/zero.py when no --config is given (user --set overrides come after these).
-DEFAULTS = ("model.arch=llama", "model.n_layers=4", "model.d_model=256", "model.n_heads=4",
-            "model.d_ff=1024", "model.vocab_size=256", "model.seq_len=64", "train.global_batch=16")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -28,10 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (add_config_args, add_devices_arg, add_out_arg, add_timing_args, check_timing_args, command,  # noqa: E402
                     compile_step, guarded, machine_info, mib, overrides, simulated_cpu, write_result)
+from zero import DEFAULTS  # noqa: E402  (zero.py's model)
 
 STAGES = (0, 1, 3)
-DEFAULTS = ("model.arch=llama", "model.n_layers=4", "model.d_model=256", "model.n_heads=4",
-            "model.d_ff=1024", "model.vocab_size=256", "model.seq_len=64", "train.global_batch=16")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
