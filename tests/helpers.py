@@ -1,11 +1,15 @@
 """Shared test helpers: run a few steps of a config on a mesh and collect what parity compares,
-and `assert_parity`, the one comparison every parity test of the suite makes."""
+`assert_parity`, the one comparison every parity test of the suite makes, and `pairwise`, the
+covering array the slow parity matrices are drawn from."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import os
 import shutil
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -182,3 +186,40 @@ def copy_folder(src, dst) -> str:
     """A copy of folder `src` at `dst` (its path, as a str)."""
     shutil.copytree(src, dst)
     return str(dst)
+
+
+def pairwise(options: dict[str, Sequence], must: Sequence[dict] = (),
+             valid: Callable[[dict], bool] | None = None) -> list[dict]:
+    """A covering array of strength 2 over `options` (name -> its values): rows (name -> value)
+    such that every pair of values of two options that occur together in some valid row of the
+    full product occur together in some row. Starts from the rows `must` (returned first, as
+    given: the cases a test already runs), then adds, until every such pair is covered, the valid
+    row of the product that covers the most pairs still uncovered (on a tie, the one whose values
+    the rows so far hold least often, then the first in product order): deterministic, no
+    randomness. `valid(row)` rules out combinations that cannot run; no row it refuses is ever
+    added. Enumerates the product, which is fine up to some 10^5 rows."""
+    names = list(options)
+
+    def index(row):
+        return tuple(options[n].index(row[n]) for n in names)
+
+    def pairs(combo):
+        return frozenset((i, a, j, b) for (i, a), (j, b) in itertools.combinations(enumerate(combo), 2))
+
+    candidates = [c for c in itertools.product(*(range(len(options[n])) for n in names))
+                  if valid is None or valid({n: options[n][k] for n, k in zip(names, c)})]
+    covers = [pairs(c) for c in candidates]
+    needed = frozenset().union(*covers)
+    rows, covered, used = [dict(r) for r in must], set(), collections.Counter()
+    for row in rows:
+        if set(row) != set(names) or (valid is not None and not valid(row)):
+            raise ValueError(f"a required row is not a valid row of {names}: {row}")
+        covered |= pairs(index(row))
+        used.update(enumerate(index(row)))
+    while not needed <= covered:
+        best = max(range(len(candidates)), key=lambda k: (len(covers[k] - covered),
+                                                          -sum(used[v] for v in enumerate(candidates[k]))))
+        rows.append({n: options[n][k] for n, k in zip(names, candidates[best])})
+        covered |= covers[best]
+        used.update(enumerate(candidates[best]))
+    return rows
