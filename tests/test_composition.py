@@ -1,5 +1,5 @@
-"""Composition: every factorization of 8 devices into (data, stage, model) x every schedule x every
-ZeRO stage computes the single-device function; ZeRO-2/3 under pipelining reduce and gather where
+"""Composition: every factorization of 8 devices into (data, stage, model), every schedule and every
+ZeRO stage, each pair of them together, computes the single-device function; ZeRO-2/3 under pipelining reduce and gather where
 the docs say, and `parallel.zero3_gather` trades memory for traffic as stated."""
 
 import math
@@ -11,7 +11,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import assert_parity, run_reference, run_steps
+from helpers import assert_parity, pairwise, run_reference, run_steps
 from jaxpar import model
 from jaxpar.config import from_dict
 from jaxpar.inspect import analyze
@@ -19,30 +19,38 @@ from jaxpar.parallel.schedules import build as build_schedule
 from jaxpar.train.step import build, lower_step
 
 FACTORIZATIONS = [(d, p, 8 // (d * p)) for d in (1, 2, 4, 8) for p in (1, 2, 4, 8) if 8 % (d * p) == 0]
-SCHEDULES = ("gpipe", "1f1b", "1f1b_one_action", "interleaved_1f1b")
-# Added later, their cases appended (the architecture of the earlier cases stays as it was).
-LATER_SCHEDULES = ("zb_h1", "1f1b_lockstep")
 # ZeRO stages; stage 3 once per `parallel.zero3_gather` placement.
 ZEROS = ((0, None), (1, None), (2, None), (3, "microbatch"), (3, "step"))
+# The options of a case: the mesh (d, p, t), the schedule (None: no pipeline, two microbatches of
+# gradient accumulation), the ZeRO stage with its placement, the architecture.
+OPTIONS = {"mesh": tuple(FACTORIZATIONS),
+           "schedule": (None, "gpipe", "1f1b", "1f1b_one_action", "interleaved_1f1b", "zb_h1", "1f1b_lockstep"),
+           "zero": ZEROS, "arch": ("llama", "gpt2")}
 
 
-def matrix():
-    """(d, p, t, schedule, zero, zero3_gather, arch): schedules only where p > 1 (None: no pipeline,
-    two microbatches of gradient accumulation); the architecture alternates so both meet every axis."""
-    cases = []
-    for schedules in (SCHEDULES, LATER_SCHEDULES):
-        for d, p, t in FACTORIZATIONS:
-            for schedule in (schedules if p > 1 else (None,) if schedules is SCHEDULES else ()):
-                for zero, gather in ZEROS:
-                    arch = ("llama", "gpt2")[len(cases) % 2]
-                    cases.append((d, p, t, schedule, zero, gather, arch))
-    return cases
+def runs(row):
+    """A schedule exactly where the mesh has a pipeline."""
+    return (row["schedule"] is None) == (row["mesh"][1] == 1)
 
 
-# Covers every size of every axis (1, 2, 4, 8 of data, stage and model), every schedule, every ZeRO
-# stage and both ZeRO-3 placements, both architectures, pipelining with each of data and model
-# parallelism and with both, and gpt2 (whose biases are sharded on a dim that `model` also splits)
-# with tensor parallelism under ZeRO-2/3. The rest of the matrix runs under `-m slow`.
+def as_row(case):
+    d, p, t, schedule, zero, gather, arch = case
+    return {"mesh": (d, p, t), "schedule": schedule, "zero": (zero, gather), "arch": arch}
+
+
+def as_case(row):
+    return (*row["mesh"], row["schedule"], *row["zero"], row["arch"])
+
+
+# The product of these options holds 400 valid cases. By default 12 of them run, covering every
+# size of every axis (1, 2, 4, 8 of data, stage and model), every schedule, every ZeRO stage and
+# both ZeRO-3 placements, both architectures, pipelining with each of data and model parallelism
+# and with both, and gpt2 (whose biases are sharded on a dim that `model` also splits) with tensor
+# parallelism under ZeRO-2/3. The slow tier adds the 45 that `pairwise` picks so that the 57
+# together hold every pair of option values: every factorization with every schedule it can run
+# and every ZeRO stage and placement, every schedule with every ZeRO stage and placement, each of
+# them on both architectures. Before, it ran 188: the rest of every factorization x schedule x
+# ZeRO, the architecture alternating.
 DEFAULT = [
     (8, 1, 1, None, 3, "step", "gpt2"),
     (2, 1, 4, None, 2, None, "gpt2"),
@@ -57,8 +65,8 @@ DEFAULT = [
     (4, 2, 1, "zb_h1", 2, None, "llama"),
     (2, 4, 1, "1f1b_lockstep", 1, None, "llama"),
 ]
-FULL = matrix()
-assert all(c in FULL for c in DEFAULT)
+SLOW = [as_case(r) for r in pairwise(OPTIONS, must=[as_row(c) for c in DEFAULT], valid=runs)[len(DEFAULT):]]
+FULL = DEFAULT + SLOW
 
 
 def composed(d, p, t, schedule, zero, gather, arch):
@@ -102,8 +110,8 @@ def test_composition_matches_single_device(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in FULL if c not in DEFAULT], ids=case_id)
-def test_composition_matches_single_device_full_matrix(case):
+@pytest.mark.parametrize("case", SLOW, ids=case_id)
+def test_composition_matches_single_device_pairwise(case):
     check_parity(composed(*case))
 
 
@@ -136,10 +144,19 @@ def test_llama_family_options_compose(options, mesh, schedule, zero):
 
 def test_the_matrix_covers_every_factorization_schedule_and_zero_stage():
     assert len(FACTORIZATIONS) == 10 and all(d * p * t == 8 for d, p, t in FACTORIZATIONS)
-    assert {(c[0], c[1], c[2]) for c in FULL} == set(FACTORIZATIONS)
-    assert {(c[3], c[4], c[5]) for c in FULL if c[1] > 1} == {(s, z, g) for s in SCHEDULES + LATER_SCHEDULES
-                                                                for z, g in ZEROS}
-    for i in range(7):  # and the default third reaches every value of every dimension
+    rows = [as_row(c) for c in FULL]
+    assert all(runs(r) for r in rows) and len(set(FULL)) == len(FULL)
+
+    def met(a, b):
+        return {(r[a], r[b]) for r in rows}
+
+    pipelined = [s for s in OPTIONS["schedule"] if s]
+    assert met("mesh", "schedule") == {(m, s) for m in FACTORIZATIONS for s in (pipelined if m[1] > 1 else [None])}
+    assert met("mesh", "zero") == {(m, z) for m in FACTORIZATIONS for z in ZEROS}
+    assert met("schedule", "zero") == {(s, z) for s in OPTIONS["schedule"] for z in ZEROS}
+    for a in ("mesh", "schedule", "zero"):
+        assert met(a, "arch") == {(v, arch) for v in OPTIONS[a] for arch in OPTIONS["arch"]}, a
+    for i in range(7):  # and the default cases reach every value of every dimension
         assert {c[i] for c in DEFAULT} == {c[i] for c in FULL}, i
 
 
