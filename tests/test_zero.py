@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from helpers import assert_parity, run_reference, run_steps
+from helpers import assert_parity, pairwise, run_reference, run_steps
 from jaxpar import model
 from jaxpar.config import ConfigError, from_dict
 from jaxpar.inspect import analyze
@@ -26,11 +26,19 @@ def tiny_zero(arch, zero, data, microbatches):
 _REF = {}
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("microbatches", [1, 4])
-# data = 8 in the default suite; data = 2 (the same code paths with fewer shards) under -m slow.
-@pytest.mark.parametrize("data", [pytest.param(2, marks=pytest.mark.slow), 8])
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+# ZeRO 0-3 x microbatches 1, 4 x both architectures, every combination, with data = 8 in the
+# default suite. With data = 2 (the same code paths with fewer shards) the slow tier adds the 4
+# cases that `pairwise` picks so that data = 2 meets every ZeRO stage, microbatch count and
+# architecture: every pair of option values (before: all 16).
+OPTIONS = {"zero": (0, 1, 2, 3), "data": (8, 2), "microbatches": (1, 4), "arch": ("llama", "gpt2")}
+DEFAULT = [{"zero": z, "data": 8, "microbatches": m, "arch": a} for z in (0, 1, 2, 3) for m in (1, 4)
+           for a in ("llama", "gpt2")]
+CASES = [pytest.param(r["arch"], r["zero"], r["data"], r["microbatches"],
+                      id=f"{r['zero']}-{r['data']}-{r['microbatches']}-{r['arch']}",
+                      marks=() if r in DEFAULT else pytest.mark.slow) for r in pairwise(OPTIONS, must=DEFAULT)]
+
+
+@pytest.mark.parametrize("arch, zero, data, microbatches", CASES)
 def test_zero_matches_single_device(arch, zero, data, microbatches):
     assert_parity(run_steps(tiny_zero(arch, zero, data, microbatches)), reference(arch))
 
