@@ -8,8 +8,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from jaxpar.parallel.schedules import SCHEDULES, ScheduleError, build, validate
-from jaxpar.parallel.timeline import render_png, render_text
+from jaxpar.parallel.pipeline.schedules import SCHEDULES, ScheduleError, build, validate
+from jaxpar.parallel.pipeline.timeline import render_png, render_text
 
 
 class _UsageError(Exception):

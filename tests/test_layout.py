@@ -25,14 +25,15 @@ def _modules() -> dict[str, str]:
     return out
 
 
-def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
+def _imports(name: str, path: str, modules: dict[str, str], nodes=None) -> set[str]:
     """The jaxpar modules `name` imports anywhere in its source (`from a import b` counts as
-    `a.b` where that is a module, else as `a`)."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), path)
+    `a.b` where that is a module, else as `a`); or in `nodes` only (e.g. the module's top level)."""
+    if nodes is None:
+        with open(path, encoding="utf-8") as f:
+            nodes = list(ast.walk(ast.parse(f.read(), path)))
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -109,11 +110,23 @@ def test_the_walls_between_layers():
         if name.startswith("jaxpar.model"):  # the maths only
             bad = {d for d in deps if d.startswith(("jaxpar.parallel", "jaxpar.train", "jaxpar.plan"))}
             assert not bad, f"{name} imports {bad}: model/ knows no parallel/, train/ or plan/"
-    with open(_modules()["jaxpar.parallel.schedules"], encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    top |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert "jax" not in top, "schedule tables are plain Python: parallel/schedules.py imports no JAX"
+    # The schedule tables are plain Python (no JAX anywhere in them), and so is what a module
+    # importing them loads on the way: the package `jaxpar.parallel.pipeline` imports only plain
+    # modules at its top level (its executor's names load on first use, inside `__getattr__`), and
+    # the old paths `jaxpar.parallel.schedules` / `timeline` are the same modules.
+    modules = _modules()
+    plain = {"jaxpar.errors", "jaxpar.parallel", "jaxpar.parallel.schedules", "jaxpar.parallel.timeline",
+             "jaxpar.parallel.pipeline", "jaxpar.parallel.pipeline.schedules", "jaxpar.parallel.pipeline.timeline",
+             "jaxpar.parallel.pipeline.table"}
+    for name in sorted(plain - {"jaxpar.errors"}):
+        with open(modules[name], encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        nodes = tree.body if name == "jaxpar.parallel.pipeline" else list(ast.walk(tree))
+        top = {a.name.split(".")[0] for n in nodes if isinstance(n, ast.Import) for a in n.names}
+        top |= {(n.module or "").split(".")[0] for n in nodes if isinstance(n, ast.ImportFrom) and not n.level}
+        assert "jax" not in top, f"schedule tables are plain Python: {name} imports no JAX"
+        deps = _imports(name, modules[name], modules, nodes)
+        assert deps <= plain, f"{name} (plain Python) imports {deps - plain}"
 
 
 def test_the_graph_reader_sees_a_function_local_import(tmp_path):

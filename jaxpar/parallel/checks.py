@@ -11,7 +11,7 @@ import functools
 from jaxpar.config.schema import Config
 from jaxpar.config.rules import nearest_divisor, require
 from jaxpar.errors import ConfigError
-from jaxpar.parallel.schedules import ScheduleError, build
+from jaxpar.parallel.pipeline.schedules import ScheduleError, build
 from jaxpar.parallel.stages import stage_layout
 
 

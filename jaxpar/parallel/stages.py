@@ -14,7 +14,7 @@ Where every slot is active and the chunks are in order, the chunks are a reshape
 `[layers, ...]` parameters split evenly over `stage` (`gather` false). Otherwise the stacks are
 stored with `stage` on another dim, and each step hands every stage its `slots` ([p, v, width]
 flattened, stage-major) by one all-to-all over `stage` and the gradients back by another
-(`layer_slot`: each layer's one slot; `jaxpar.parallel.buffers.to_slots`)."""
+(`layer_slot`: each layer's one slot; `jaxpar.parallel.pipeline.stash.to_slots`)."""
 
 from __future__ import annotations
 

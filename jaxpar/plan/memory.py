@@ -167,7 +167,7 @@ def _schedule(cfg: Config, p: int):
 @functools.lru_cache(maxsize=512)
 def _cached_schedule(name: str, p: int, m: int, v: int):
     from jaxpar.parallel.pipeline import Table
-    from jaxpar.parallel.schedules import build
+    from jaxpar.parallel.pipeline.schedules import build
     sched = build(name, p, m, v)
     # `pipeline.table_of` without its full validation of the table (jaxpar's own builders, tested
     # in test_schedules; a third of the planner's time on 1024 devices): the slot counts only.

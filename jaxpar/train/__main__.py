@@ -87,7 +87,7 @@ def _pipeline_line(cfg, mesh) -> list[str]:
     p = mesh.shape["stage"]
     if p == 1:
         return []
-    from jaxpar.parallel.schedules import build, simulate
+    from jaxpar.parallel.pipeline.schedules import build, simulate
 
     par = cfg.parallel
     sim = simulate(build(par.schedule, p, par.microbatches, par.virtual_stages))

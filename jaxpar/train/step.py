@@ -152,7 +152,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
 
     if mesh.shape["stage"] > 1:
         from jaxpar.parallel.pipeline import make_pipeline_loss_and_grads, table_of
-        from jaxpar.parallel.schedules import build as build_schedule
+        from jaxpar.parallel.pipeline.schedules import build as build_schedule
 
         table = table_of(build_schedule(cfg.parallel.schedule, mesh.shape["stage"], cfg.parallel.microbatches,
                                         cfg.parallel.virtual_stages))

@@ -53,58 +53,21 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.model.layers import split_backward, weight_gradient
 from jaxpar.model.transformer import block_bodies, block_kinds, scan_layers, stack, stack_prefix
-from jaxpar.parallel import buffers, microbatches
-from jaxpar.parallel.schedules import validate
+from jaxpar.parallel import microbatches
+from jaxpar.parallel.pipeline import stash as buffers
+from jaxpar.parallel.pipeline.table import Table, stashes_inputs
 from jaxpar.parallel.stages import chunk_model, stage_layout
 from jaxpar.parallel.zero import Layout
 from jaxpar.parallel.gradients import Reduction, _gather, _seed, hand_out, manual_region, mark_for_use, reduction
 from jaxpar.sharding import activation_rules, aval_varying_axes, vary, varying_axes, zeros_like_varying
 
 DATA, STAGE, MODEL = "data", "stage", "model"
-
-# Under a table of I and W with `remat: none`, F stashes each weight matmul's input once beside the
-# layer's residuals and W reads it there (`stashes_inputs`; a switch for measuring without).
-STASH_MATMUL_INPUTS = True
-
-
-def stashes_inputs(remat: str, split: bool, fused_b: bool, gather: bool) -> bool:
-    """Does F stash each weight matmul's input for W (so that I writes only the output
-    cotangents)? For a table of I and W only (`split`, no `fused_b`), where the layer body can
-    return its inputs whole: `remat: none` (a checkpoint policy keeps them inside) and every
-    layer slot active (no `gather`: a skipped slot's `cond` keeps them inside). Read by the
-    executor (`StageRun`) and the planner (`jaxpar.costs.memory`)."""
-    return STASH_MATMUL_INPUTS and split and not fused_b and remat == "none" and not gather
-
-
-@dataclasses.dataclass(frozen=True)
-class Table:
-    """A schedule as the executor consumes it: int32 rows [ticks, p] and slot counts per stage.
-
-    `rows` holds, per (tick, stage): `{f,b}_valid`, `{f,b}_mb`, `{f,b}_chunk` (the stage's local
-    chunk: global chunk = local * p + stage), the slots each action reads and writes (`f_in`: the
-    received activation F reads, `f_stash`: where F saves, `b_stash`: what B reads, `b_in`: the
-    received gradient B reads) and `f_recv` / `b_recv`: the slot a message arriving at the end
-    of the tick lands in (-1: none). Each slot space is shared by the stage's chunks."""
-
-    rows: dict[str, np.ndarray]
-    chunks: int     # v: chunks per stage
-    stash: int      # stash slots per stage: what F saved, waiting for its B
-    fwd_slots: int  # received activations waiting for their F, per stage
-    bwd_slots: int  # received gradients waiting for their B, per stage
-    wstash: int = 1     # slots per stage of what I saved for its W
-    split: bool = False  # does the table split backwards into I and W?
-
-    @property
-    def ticks(self) -> int:
-        return self.rows["f_valid"].shape[0]
-
 
 class Carry(NamedTuple):
     """What the tick loop carries from tick to tick, per stage."""
@@ -117,15 +80,6 @@ class Carry(NamedTuple):
     g_blocks: dict       # block leaf path -> float32 [v, layers per chunk, ...]: unreduced gradients
     g_shared: dict       # float32 gradients of the embedding, final norm and head (end stages' only)
     loss: jax.Array      # the summed loss of the microbatches this stage finished
-
-
-def table_of(schedule) -> Table:
-    """The executor's view of a `jaxpar.parallel.schedules.Schedule`, validated (slots included)."""
-    validate(schedule)
-    counts = schedule.slot_counts()
-    rows = {k: np.asarray(x, np.int32) for k, x in schedule.to_arrays().items()}
-    return Table(rows=rows, chunks=schedule.virtual_stages, stash=counts["stash"], fwd_slots=counts["fwd"],
-                 bwd_slots=counts["bwd"], wstash=counts["wstash"], split=schedule.split)
 
 
 @dataclasses.dataclass(frozen=True)
