@@ -29,14 +29,23 @@ from jaxpar.parallel.pipeline import table as _table
 from jaxpar.parallel.pipeline.table import Table, stashes_inputs, table_of
 
 # The executor's names (JAX), each loaded from its module on first access.
-__all__ = ["STASH_MATMUL_INPUTS", "Carry", "Setup", "Table", "make_pipeline_loss_and_grads", "stashes_inputs",
-           "table_of"]
+__all__ = ["STASH_MATMUL_INPUTS", "Carry", "Setup", "StagePlan", "Table", "make_pipeline_loss_and_grads",
+           "stashes_inputs", "table_of"]
 
 
 def __getattr__(name: str):
-    if name in ("make_pipeline_loss_and_grads", "Setup", "Carry"):
-        from jaxpar.parallel.pipeline import executor
-        return getattr(executor, name)
+    if name == "make_pipeline_loss_and_grads":
+        from jaxpar.parallel.pipeline.executor import make_pipeline_loss_and_grads
+        return make_pipeline_loss_and_grads
+    if name == "Setup":
+        from jaxpar.parallel.pipeline.setup import Setup
+        return Setup
+    if name == "StagePlan":
+        from jaxpar.parallel.pipeline.plan import StagePlan
+        return StagePlan
+    if name == "Carry":
+        from jaxpar.parallel.pipeline.tick import Carry
+        return Carry
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -1,9 +1,10 @@
-"""The pipeline executor's buffers and stage slots (`jaxpar.parallel.pipeline`): reading and
-writing a stash row in place, packing I's outputs for W into a stash slot, and handing each stage
-its layer slots of a stack stored over `stage` (and the gradients back).
+"""The pipeline executor's stash, buffers and layer slots: reading and writing a stash row in
+place, ordering a write after the reads of the same buffer (`after`), packing I's outputs for W
+into a stash slot, and handing each stage its layer slots of a stack stored over `stage` (and the
+gradients back).
 
-Each function is a pure function of arrays and the executor's static layout; `StageRun` calls
-them from its actions (DESIGN.md §5.4, "Stash, buffers and their slots"; §5.5, hops and chunk
+Each function is a pure function of arrays and the executor's static layout; the actions, the
+tick and the step call them (DESIGN.md §5.4, "Stash, buffers and their slots"; §5.5, hops and chunk
 layouts)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jaxpar.sharding import vary, varying_axes
 STAGE = "stage"
 
 
-def row(buf: jax.Array, i: jax.Array) -> jax.Array:
+def get_row(buf: jax.Array, i: jax.Array) -> jax.Array:
     """`buf[i]` along the leading dim, `i` traced and in bounds."""
     return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
 

@@ -1,0 +1,305 @@
+"""The tick's actions, as functions of one stage's plan (`plan.StagePlan`) and traced inputs
+(`plan.Stage`): F (`forward`), B or I (`backward`) and W (`weight_grads`), and what they hand the
+model (a chunk's parameters, the seeds ZeRO-2 differentiates, the shards ZeRO-3 gathers at use).
+
+F saves what B needs: the residuals of each layer's `jax.vjp` (what the remat policy keeps), less
+the parameters among them (B takes those from the parameters themselves, so the stash holds
+activations only), in the layer's row of its stash slot; the embedding's residuals and the head's
+cotangent beside them. Their structure is the plan's (`StagePlan.residuals`), recorded by the
+abstract trace of F that builds it (`record`). With a split table the weight matmuls are not
+differentiated: they take taps, whose cotangents (input, output cotangent) I saves for W
+(`jaxpar.model.layers.split_backward`); where F stashes the inputs itself (`stash_inputs`), the
+taps carry output cotangents only."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar import model
+from jaxpar.model.layers import split_backward, weight_gradient
+from jaxpar.model.transformer import block_bodies, scan_layers, stack
+from jaxpar.parallel import microbatches
+from jaxpar.parallel.gradients import _seed, mark_for_use
+from jaxpar.parallel.pipeline.setup import DATA, STAGE
+from jaxpar.parallel.pipeline.stash import get_row, param_leaves, set_row
+from jaxpar.sharding import vary, varying_axes, zeros_like_varying
+
+# (`plan` is a `plan.StagePlan`, `st` a `plan.Stage`, `rec` a `plan.Recording`: the plan module
+# builds its plan by tracing `forward`, so this module does not import it.)
+
+# -- what the actions hand the model --------------------------------------------------------------
+
+
+def zeros(plan, shape, dtype=None, axes=None):
+    """Zeros that vary over the manual axes their contents vary on (default: an activation's)."""
+    dtype = plan.setup.cfg.model.dtype if dtype is None else dtype
+    axes = plan.act_axes if axes is None else axes
+    return jax.lax.pcast(jnp.zeros(shape, dtype), axes, to="varying") if axes else jnp.zeros(shape, dtype)
+
+
+def zero_taps(plan) -> dict:
+    """path -> (x, g) zeros of a tapped weight's pair, [n, ...] (x None where F stashes it)."""
+    return {k: (None if plan.stash_inputs else zeros(plan, (plan.chunk_layers[k], *xs), xd, ax),
+                zeros(plan, (plan.chunk_layers[k], *gs), gd, ax))
+            for k, (xs, xd, gs, gd, ax, _) in plan.taps.items()}
+
+
+def kind_taps(plan) -> dict:
+    """kind -> the zero taps of that stack's tapped weights, [n, ...] (`zero_taps`)."""
+    taps = zero_taps(plan)
+    return {kind: {k_: taps[k_] for k_ in plan.kind_paths[kind] if k_ in taps} for kind in plan.kinds}
+
+
+def chunk_params(st, k):
+    """Local chunk k's block parameters, [layers per chunk, ...]."""
+    return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, k, 0, keepdims=False), st.blocks)
+
+
+def diff_blocks(plan, full_bl):  # one chunk: [layers per chunk, ...]; its zero dim is the stacked one's
+    return jax.tree.map(lambda w, dim, m: _seed(w, dim, plan.setup.d) if m else w, full_bl, plan.block_dims,
+                        plan.block_mask)
+
+
+def diff_shared(plan, st):
+    return jax.tree.map(lambda w, dim, m: _seed(w, dim, plan.setup.d) if m else w, st.shared, plan.shared_dims,
+                        plan.shared_mask)
+
+
+def handed_blocks(plan, diff, full):
+    """One chunk's blocks as `hand_out` receives them (`gradients.mark_for_use`)."""
+    return mark_for_use(plan.setup.reduction, diff, full, plan.block_dims)
+
+
+def handed_shared(plan, st, diff):
+    return mark_for_use(plan.setup.reduction, diff, st.shared, plan.shared_dims)
+
+
+def ends(plan, st, k):
+    """Does this (stage, local chunk) hold the first / the last chunk of the model?"""
+    return (st.index == 0) & (k == 0), (st.index == plan.setup.p - 1) & (k == plan.setup.v - 1)
+
+
+def active(plan, st, k):
+    """This (stage, local chunk)'s active layer slots per stack (None: every slot is)."""
+    if not plan.setup.slots.gather:
+        return None
+    return {kind: jnp.asarray(a)[st.index, k] for kind, a in plan.setup.slots.active.items()}
+
+
+def kind_stacks(plan, st, k) -> dict:
+    """kind -> (parameters, what is differentiated) of chunk k's layers of that stack, [n, ...]."""
+    full_bl = chunk_params(st, k)
+    diff_bl = diff_blocks(plan, full_bl)
+    return {kind: (stack(full_bl, kind), stack(diff_bl, kind)) for kind in plan.kinds}
+
+
+def bodies(plan, st, k):
+    """kind -> one layer of chunk k (`jaxpar.model.transformer.block_bodies`), under the remat policy."""
+    s = plan.setup
+    blocks = model.bind(s.chunk_cfg, {"blocks": chunk_params(st, k)}).blocks
+    return block_bodies(s.chunk_cfg, blocks, s.cfg.parallel.remat, active(plan, st, k))[1]
+
+
+def chunk_forward(plan, st, blocks, shared, x_in, tokens, first, k):
+    """The chunk as the unpipelined model runs it (the taps' recording trace, `plan._taps`)."""
+    s = plan.setup
+    x = jax.lax.cond(first, lambda: model.bind(s.chunk_cfg, shared).embed_tokens(tokens), lambda: x_in)
+    return model.bind(s.chunk_cfg, {"blocks": blocks}).backbone(x, remat=s.cfg.parallel.remat,
+                                                                active=active(plan, st, k))
+
+
+# -- residuals: what F stashes and B rebuilds its pullbacks from ----------------------------------
+
+
+def take_residuals(plan, rec, name: str, pullback, known: list) -> tuple:
+    """A pullback's residuals to stash: each is a parameter ("p", its index in `known`) or an
+    activation ("s", its stash leaf), stashed once however many times the pullback refers to it
+    (e.g. one layer input saved by the q, k and v matmuls). The structure, per `name`, is what B
+    unflattens: recorded into `rec` by the plan's trace, and every trace of F must find the same."""
+    leaves, treedef = jax.tree.flatten(pullback)
+    ids = {id(w): i for i, w in enumerate(known)}
+    stashed, where = {}, []
+    for r in leaves:
+        if id(r) in ids:
+            where.append(("p", ids[id(r)]))
+        else:
+            where.append(("s", stashed.setdefault(id(r), (len(stashed), r))[0]))
+    where = tuple(where)
+    planned = rec.residuals if rec is not None else plan.residuals
+    if name in planned and where != planned[name][1]:
+        raise AssertionError(f"the residuals of {name!r} differ between traces of F")
+    if rec is not None:
+        rec.residuals[name] = (treedef, where)
+    return tuple(r for _, r in stashed.values())
+
+
+def take_inputs(plan, rec, kind: str, saved: tuple, inputs: dict) -> tuple:
+    """The tapped matmuls' inputs to stash beside a layer's residuals (`stash_inputs`: path -> x,
+    each once however many matmuls share it, e.g. q, k and v), their leaves numbered after the
+    residuals': `x_source`, path -> (kind, leaf). Every trace of F must find the same."""
+    extra, where = {}, {}
+    for path, x in sorted(inputs.items()):
+        where[path] = (kind, len(saved) + extra.setdefault(id(x), (len(extra), x))[0])
+    source = rec.x_source if rec is not None else plan.x_source
+    known = {path: w for path, w in source.items() if w[0] == kind}
+    if known and known != where:
+        raise AssertionError(f"the tapped inputs of {kind!r} differ between traces of F")
+    if rec is not None:
+        rec.x_source.update(where)
+    return tuple(x for _, x in extra.values())
+
+
+def pullback(plan, name: str, saved, known: list):
+    """The pullback `take_residuals` took apart, from the stashed leaves and the parameters."""
+    treedef, where = plan.residuals[name]
+    return jax.tree.unflatten(treedef, [known[i] if kind == "p" else saved[i] for kind, i in where])
+
+
+# -- F ------------------------------------------------------------------------------------------
+
+
+def forward(plan, st, x_in, mb, k, stash, slot, g_shared, rec=None):
+    """F: the chunk's output, run one layer at a time under `jax.vjp`, each layer's residuals
+    written straight into row (slot, layer) of the stash (no stacked copy: DESIGN.md §5.3); on the
+    first chunk the embedding, on the last the loss and its backward through the head (the chunk
+    output's cotangent, stashed too, and the head's gradients, added to the float32 `g_shared`
+    inside the head's `cond`). With `rec` (and `stash` None): the plan's trace, which records the
+    residuals' structure and types into `rec`. Returns (y, stash, g_shared, loss)."""
+    s = plan.setup
+    first, last = ends(plan, st, k)
+    tokens, targets = st.micro[mb, :, :-1], st.micro[mb, :, 1:]
+    sh = diff_shared(plan, st)
+    # Only the first chunk embeds (a cond, not a select: under tensor parallelism the lookup ends
+    # in a collective, under ZeRO-3 the embedding's gather, that the other stages must not pay
+    # for). The shared parameters are bound inside the branch for that reason.
+    x, pull_embed = jax.vjp(lambda sh: jax.lax.cond(
+        first, lambda: model.bind(s.chunk_cfg, handed_shared(plan, st, sh)).embed_tokens(tokens), lambda: x_in), sh)
+    embed_saved = take_residuals(plan, rec, "embed", pull_embed, param_leaves(st.shared, sh))
+    split = s.table.split
+
+    def layer(kind, xs, tap, i, carry):
+        x, stash_layers = carry
+        full_l, diff_l = xs
+        diff = plan.flat_kind(kind, diff_l)
+        fixed = {p_: w for p_, w in diff.items() if p_ in plan.taps}  # (split: the taps differentiate these)
+
+        def f(rest, x, tap):
+            handed = mark_for_use(s.reduction, plan.unflat_kind(kind, {**fixed, **rest}), full_l, plan.layer_dims[kind])
+            # (With `stash_inputs` the body returns the tapped matmuls' inputs beside y: their
+            # pullbacks do not keep them.)
+            out = body[kind](x, (handed, tap, i))
+            return out if plan.stash_inputs else (out, {})
+
+        y, pull, inputs = jax.vjp(f, {p_: w for p_, w in diff.items() if p_ not in fixed}, x, tap, has_aux=True)
+        saved = take_residuals(plan, rec, kind, pull, param_leaves(full_l, diff_l))
+        if plan.stash_inputs:
+            saved = (*saved, *take_inputs(plan, rec, kind, saved, inputs))
+        if stash_layers is None:
+            rec.layer_avals[kind] = [jax.typeof(r) for r in saved]
+            return (y, None), None
+        return (y, {**stash_layers, kind: tuple(jax.lax.dynamic_update_slice(
+            b, vary(r, varying_axes(b)).reshape(1, 1, -1).astype(b.dtype), (slot, i, 0))
+            for b, r in zip(stash_layers[kind], saved))}), None
+
+    # (Under a split table each weight matmul takes its tap from the layer's `linear`: the bodies
+    # are built, and traced, inside the split context.)
+    with split_backward({}, plan.stash_inputs) if split else contextlib.nullcontext():
+        body = bodies(plan, st, k)
+        (y, layers), _ = scan_layers(s.chunk_cfg, kind_stacks(plan, st, k),
+                                     (x, None if stash is None else stash["layers"]), layer,
+                                     kind_taps(plan) if split else None)
+
+    # (The head's gradients are added inside its `cond`: the other chunks' F fills no
+    # vocabulary-sized zeros.)
+    def head(g):
+        loss, pull = jax.vjp(lambda sh, y: s.loss_sum(
+            model.bind(s.chunk_cfg, handed_shared(plan, st, sh)).head(y), targets) / s.n_tokens, sh, y)
+        dsh, dy = pull(jnp.ones_like(loss))
+        return loss, microbatches.add_f32(g, dsh), dy
+
+    def no_head(g):
+        return zeros(plan, (), jnp.float32, (*s.data_axes, STAGE)), g, zeros_like_varying(y)
+
+    loss, g_shared, dy = jax.lax.cond(last, head, no_head, g_shared)
+    end = (*embed_saved, dy)
+    if stash is None:
+        rec.end_avals = [jax.typeof(r) for r in end]
+        return y, None, g_shared, loss
+    end = tuple(set_row(b, vary(r, varying_axes(b)).reshape(-1), slot) for b, r in zip(stash["ends"], end))
+    return y, {"ends": end, "layers": layers}, g_shared, loss
+
+
+# -- B or I -------------------------------------------------------------------------------------
+
+
+def backward(plan, st, stash, slot, cot, k, g_shared):
+    """B, or I with a split table: the chunk's gradients from what F saved (no second forward),
+    one layer at a time, last to first, each layer's residuals read from row (slot, layer) of the
+    stash. Returns (parameter gradients but the tapped weights', [n, ...] per path; `g_shared`
+    plus the embedding's on the first chunk; the input's; the taps', (x, g) [n, ...] per tapped
+    path). (I writes its pairs for W into the slot after this loop, `stash.write_now`: written
+    inside it, over the rows the loop reads, they made XLA copy every stash buffer per layer,
+    measured.)"""
+    s = plan.setup
+    first, last = ends(plan, st, k)
+    *embed_saved, dy = (get_row(b, slot).reshape(a.shape) for b, a in zip(stash["ends"], plan.end_avals))
+
+    def layer(kind, xs, _, i, g):
+        full_l, diff_l = xs
+        saved = [jax.lax.dynamic_slice(b, (slot, i, 0), (1, 1, b.shape[2])).reshape(a.shape)
+                 for b, a in zip(stash["layers"][kind], plan.layer_avals[kind])]
+        d_rest, dx, d_tap = pullback(plan, kind, saved, param_leaves(full_l, diff_l))(g)
+        return dx, (d_rest, d_tap)
+
+    dx, outs = scan_layers(s.chunk_cfg, kind_stacks(plan, st, k), jnp.where(last, dy, cot), layer, reverse=True)
+    d_rest = {p_: g for kind in plan.kinds for p_, g in outs[kind][0].items()}
+    d_taps = {p_: xg for kind in plan.kinds for p_, xg in (outs[kind][1] or {}).items()}
+    sh = diff_shared(plan, st)
+    # The embedding's gradient: the first chunk's only (a cond: the others skip its pullback and
+    # fill no vocabulary-sized zeros).
+    g_shared = jax.lax.cond(first, lambda g: microbatches.add_f32(
+        g, pullback(plan, "embed", embed_saved, param_leaves(st.shared, sh))(dx)[0]), lambda g: g, g_shared)
+    return d_rest, g_shared, dx, d_taps
+
+
+# -- W ------------------------------------------------------------------------------------------
+
+
+def stashed_input(plan, stash, slot, path):
+    """W's input x of a tapped matmul, [layers, tokens, in], read from the leaf F stashed it in, in `slot`."""
+    kind, j = plan.x_source[path]
+    buf = stash["layers"][kind][j]
+    xs, _, _, _, axes, _ = plan.taps[path]
+    x = jax.lax.dynamic_slice(buf, (slot, 0, 0), (1, *buf.shape[1:])).reshape(buf.shape[1], *xs)
+    return vary(x, axes)
+
+
+def weight_grads(plan, d_taps):
+    """W: each tapped weight's gradient x^T g, reduce-scattered where ZeRO reduces per microbatch
+    (float32, as the reduction at use would)."""
+    s = plan.setup
+    out = {}
+    for k_, (x2, g2) in d_taps.items():
+        dw = weight_gradient(x2, g2).reshape(plan.chunk_layers[k_], *plan.taps[k_][5]).astype(jnp.float32)
+        # A weight the matmul made varying (e.g. kv heads replicated over `model` under tensor
+        # parallelism): summed over those axes, as the cast's transpose would.
+        extra = tuple(a for a in varying_axes(dw) if a not in plan.acc_axes[k_])
+        if extra:
+            dw = jax.lax.psum(dw, extra)
+        # (ZeRO's reduction at use, `Reduction.at_use`, of a sharded weight's gradient.)
+        if (s.reduction.at_use and s.dp and plan.dim_of[k_] >= 0
+                and (s.gather == "use" or plan.block_mask_flat[k_])):
+            dw = jax.lax.psum_scatter(dw, DATA, scatter_dimension=plan.dim_of[k_], tiled=True)
+        out[k_] = dw
+    return out
+
+
+def accumulate(acc, grads, k):
+    """`acc[path][k] += grads[path]` in float32, for chunk k's row of each accumulator. (A
+    dynamic-update-slice of the chunk's row, not `.at[k].add`: XLA lowers that scatter to a select
+    over the whole row, reading it twice.)"""
+    return {**acc, **{k_: set_row(acc[k_], get_row(acc[k_], k) + g.astype(jnp.float32), k)
+                      for k_, g in grads.items()}}

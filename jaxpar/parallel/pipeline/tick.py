@@ -1,0 +1,197 @@
+"""The tick loop's carry (`Carry`, `initial_carry`) and one tick of the table on one stage
+(`tick`): this stage's column of the row read once (`Row`), then B or I, W, F (the actions,
+`actions`), and the hops (`hop`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.parallel import microbatches
+from jaxpar.parallel.gradients import _seed
+from jaxpar.parallel.pipeline import actions
+from jaxpar.parallel.pipeline.plan import Stage, StagePlan
+from jaxpar.parallel.pipeline.setup import STAGE
+from jaxpar.parallel.pipeline.stash import after, get_row, read_items, set_row, write_items, write_now
+from jaxpar.sharding import aval_varying_axes, vary, zeros_like_varying
+
+
+class Carry(NamedTuple):
+    """What the tick loop carries from tick to tick, per stage."""
+
+    fwd_buf: jax.Array   # [fwd_slots, *activation]: received activations waiting for their F
+    bwd_buf: jax.Array   # [bwd_slots, *activation]: received gradients waiting for their B (or I)
+    stash: dict          # what F saved for B / I (and I for W): "layers": kind -> per residual leaf of one layer,
+                         # [stash slots, layers, size]; "ends": the embedding's residuals, the head's cotangent
+    wstash: dict         # (tap, 0 | 1) -> [wstash slots, ...]: what I saved for W that the stash slot cannot hold
+    g_blocks: dict       # block leaf path -> float32 [v, layers per chunk, ...]: unreduced gradients
+    g_shared: dict       # float32 gradients of the embedding, final norm and head (end stages' only)
+    loss: jax.Array      # the summed loss of the microbatches this stage finished
+
+
+class Row(NamedTuple):
+    """This stage's column of one tick's row (`table.Table.rows`), read once."""
+
+    f_valid: jax.Array
+    f_mb: jax.Array
+    f_chunk: jax.Array
+    f_in: jax.Array      # the fwd_buf slot F reads
+    f_stash: jax.Array   # the stash slot F writes
+    b_valid: jax.Array
+    i_valid: jax.Array
+    bi_chunk: jax.Array  # B's or I's chunk (at most one of B and I per tick)
+    bi_in: jax.Array     # the bwd_buf slot B or I reads
+    bi_stash: jax.Array  # the stash slot B or I reads
+    i_stash: jax.Array   # the stash slot I writes W's pairs into (its own)
+    i_wstash: jax.Array  # the wstash slot I writes what does not fit
+    w_valid: jax.Array
+    w_chunk: jax.Array
+    w_stash: jax.Array
+    w_wstash: jax.Array
+    f_recv: jax.Array    # the fwd_buf slot an arriving activation lands in (-1: none)
+    b_recv: jax.Array    # the bwd_buf slot an arriving gradient lands in (-1: none)
+
+
+def read_row(row: dict, stage: jax.Array) -> Row:
+    r = {k: a[stage] for k, a in row.items()}
+    return Row(f_valid=r["f_valid"], f_mb=r["f_mb"], f_chunk=r["f_chunk"], f_in=r["f_in"], f_stash=r["f_stash"],
+               b_valid=r["b_valid"], i_valid=r["i_valid"], bi_chunk=r["b_chunk"] + r["i_chunk"],
+               bi_in=r["b_in"] + r["i_in"], bi_stash=r["b_stash"] + r["i_stash"], i_stash=r["i_stash"],
+               i_wstash=r["i_wstash"], w_valid=r["w_valid"], w_chunk=r["w_chunk"], w_stash=r["w_stash"],
+               w_wstash=r["w_wstash"], f_recv=r["f_recv"], b_recv=r["b_recv"])
+
+
+def initial_carry(plan: StagePlan, st: Stage) -> Carry:
+    """The loop's first carry: empty buffers, stash and wstash of the plan's shapes, zero float32
+    accumulators. A layer's stash leaf is stored [slots, layers of its stack, size], the
+    embedding's residuals and the head's cotangent [slots, size] (I writes W's inputs into a slot
+    by offset; a reshaped view of the loop's carry there made XLA copy the whole buffer). (A stash
+    slot varies over `stage`, whatever its value does: the tables differ per stage.)"""
+    s, table = plan.setup, plan.setup.table
+    axes = lambda a: tuple(sorted({*aval_varying_axes(a), *s.data_axes, STAGE}))  # noqa: E731
+    stash = {"ends": tuple(actions.zeros(plan, (table.stash, a.size), a.dtype, axes(a)) for a in plan.end_avals),
+             "layers": {kind: tuple(actions.zeros(plan, (table.stash, plan.n_layers[kind], a.size), a.dtype, axes(a))
+                                    for a in plan.layer_avals[kind]) for kind in plan.kinds}}
+    wstash = {key: actions.zeros(plan, (table.wstash, plan.chunk_layers[key[0]], *shape), dtype, ax)
+              for key, (shape, dtype, ax) in plan.wstash_items.items()}
+    g_blocks = plan.flat(microbatches.f32_zeros(
+        jax.tree.map(lambda w, dim, m: _seed(w, dim + 1, s.d) if m else w, st.blocks, plan.block_dims,
+                     plan.block_mask)))
+    return Carry(actions.zeros(plan, (table.fwd_slots, *plan.act_shape)),
+                 actions.zeros(plan, (table.bwd_slots, *plan.act_shape)),
+                 stash, wstash, g_blocks, microbatches.f32_zeros(actions.diff_shared(plan, st)),
+                 actions.zeros(plan, (), jnp.float32, (*s.data_axes, STAGE)))
+
+
+def idle(plan: StagePlan):
+    """What an idle action sends: zeros (NaN with `poison_idle`), which no receiver writes."""
+    z = actions.zeros(plan, plan.act_shape)
+    return z + jnp.nan if plan.setup.poison_idle else z
+
+
+def run_b(plan, st, r: Row, bwd_buf, acc, bufs, g_shared):
+    """B or I, inside its cond: the cotangent read from its receive slot and the stash slot read
+    layer by layer in here, not before the cond (a slice of every residual leaf, megabytes, copied
+    on every tick would cost more than the matmuls of an idle tick); its gradients accumulated
+    here too, and (`split_i`) I's pairs for W written into its stash slot and the wstash."""
+    cot = get_row(bwd_buf, r.bi_in)
+    d_rest, g_shared, dx, d_taps = actions.backward(plan, st, bufs[0], r.bi_stash, cot, r.bi_chunk, g_shared)
+    d_taps = {k_: tuple(None if a is None else vary(a, plan.taps[k_][4]) for a in xg)
+              for k_, xg in (d_taps or {}).items()}
+    if plan.split_i:
+        new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg) if a is not None}
+        bufs = write_now(bufs, plan.packing, new, r.i_stash, r.i_wstash, after(dx))
+        d_taps = {}
+    return actions.accumulate(acc, d_rest, r.bi_chunk), g_shared, dx, d_taps, bufs if plan.split_i else ()
+
+
+def no_b(plan, acc, bufs, g_shared):
+    return (acc, g_shared, idle(plan), {} if plan.split_i else actions.zero_taps(plan),
+            bufs if plan.split_i else ())
+
+
+def run_w(plan, r: Row, acc, bufs):
+    """W, inside its cond (read and accumulated there: idle ticks touch neither): an earlier I's
+    pairs from its stash slot (and the wstash: what did not fit there), and the inputs F stashed."""
+    got = read_items(*bufs, plan.packing, r.w_stash, r.w_wstash)
+    got.update({(k_, 0): actions.stashed_input(plan, bufs[0], r.w_stash, k_) for k_ in plan.x_source})
+    return actions.accumulate(acc, actions.weight_grads(plan, {k_: (got[(k_, 0)], got[(k_, 1)]) for k_ in plan.taps}),
+                              r.w_chunk)
+
+
+def run_f(plan, st, r: Row, fwd_buf, dep, stash, g_shared):
+    """F, inside its cond: its input read from its receive slot, after B's and W's results (`dep`:
+    its cond runs after theirs), its residuals written into its stash slot."""
+    x_f = dep(get_row(fwd_buf, r.f_in))
+    return actions.forward(plan, st, x_f, r.f_mb, r.f_chunk, stash, r.f_stash, g_shared)
+
+
+def no_f(plan, stash, g_shared):
+    return idle(plan), stash, g_shared, actions.zeros(plan, (), jnp.float32, (*plan.setup.data_axes, STAGE))
+
+
+def hop(plan, r: Row, y, dx, fwd_buf, bwd_buf):
+    """One hop per tick: F's output to the next stage, B's or I's input gradient to the previous
+    one; the row says which slot each arrival lands in (-1: nothing arrives). (Under a cond, not a
+    select with the row's old contents: a tick where nothing arrives neither reads nor writes the
+    buffer.)"""
+    s = plan.setup
+    recv_f = jax.lax.ppermute(y, STAGE, s.fwd_pairs)
+    recv_b = jax.lax.ppermute(dx, STAGE, s.bwd_pairs)
+    rf, rb = r.f_recv, r.b_recv
+    fwd_buf = jax.lax.cond(rf >= 0, lambda b: set_row(b, recv_f, rf), lambda b: b, fwd_buf)
+    bwd_buf = jax.lax.cond(rb >= 0, lambda b: set_row(b, recv_b, rb), lambda b: b, bwd_buf)
+    return fwd_buf, bwd_buf
+
+
+def tick(plan: StagePlan, st: Stage, carry: Carry, row: dict):
+    """One tick of the table on this stage: B or I, then W, then F (as the row says; F last, so
+    that its residuals go into its stash slot inside its own cond, DESIGN.md §5.3), one hop each
+    way, and the arrivals into their buffer slots. The `lax.scan` body over the table's rows."""
+    taps = plan.taps
+    fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc = carry
+    r = read_row(row, st.index)
+    # Each action reads its input row (F's activation, B's or I's cotangent) inside its own cond,
+    # so an idle tick copies none; it sends `idle`, which no receiver writes. The gradients
+    # accumulate inside the action's cond: an idle tick neither fills zeros nor adds them to the
+    # float32 accumulators. I writes W's pairs into its stash slot inside the same cond (a tick
+    # without I fills no taps' worth of zeros), unless the split table also holds fused Bs, whose
+    # W runs at once from the pairs (below).
+    acc_rest, g_shared, dx, d_taps, bufs = jax.lax.cond(
+        r.b_valid + r.i_valid > 0,
+        lambda acc, bufs, g: run_b(plan, st, r, bwd_buf, acc, bufs, g),
+        lambda acc, bufs, g: no_b(plan, acc, bufs, g),
+        {k_: a for k_, a in g_blocks.items() if k_ not in taps}, (stash, wstash if plan.split_i else {}), g_shared)
+    if plan.split_i:
+        stash, wstash = bufs
+    g_blocks = {**g_blocks, **acc_rest}
+    dw = {}
+    if plan.setup.table.split:
+        # W: of this tick's fused B (a split table may hold some), and of an earlier I from what
+        # it wrote into its stash slot.
+        if plan.fused_b:
+            zero_w = lambda: {k_: zeros_like_varying(g_blocks[k_][0]) for k_ in taps}  # noqa: E731
+            g_blocks = actions.accumulate(g_blocks, jax.lax.cond(
+                r.b_valid > 0, lambda: actions.weight_grads(plan, d_taps), zero_w), r.bi_chunk)
+        dw = jax.lax.cond(r.w_valid > 0, lambda acc, bufs: run_w(plan, r, acc, bufs), lambda acc, bufs: acc,
+                          {k_: g_blocks[k_] for k_ in taps}, (stash, wstash))
+        g_blocks = {**g_blocks, **dw}
+    # Every write of the stash and wstash after every read of them has been consumed (else XLA
+    # keeps a copy of the whole buffer): I's outputs for W into its own slot, over the residuals
+    # it has consumed (and the wstash), then F's residuals into its slot.
+    dep = after(dx, *dw.values())
+    if plan.setup.table.split and not plan.split_i:
+        new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg)}
+        stash, wstash = write_items(stash, wstash, plan.packing, new, r.i_valid > 0, r.i_stash, r.i_wstash, dep)
+    # F last, its residuals written into its slot inside its own cond: a tick without F neither
+    # fills a slot's worth of zeros nor writes (B has read its slot above: a slot B frees may be
+    # the one F fills in the same tick). (Only the first chunk's B, the embedding, and the last
+    # chunk's F, the head, add to the shared leaves' vocabulary-sized float32 accumulators,
+    # inside their own conds.)
+    y, stash, g_shared, loss = jax.lax.cond(
+        r.f_valid > 0, lambda stash, g: run_f(plan, st, r, fwd_buf, dep, stash, g),
+        lambda stash, g: no_f(plan, stash, g), stash, g_shared)
+    fwd_buf, bwd_buf = hop(plan, r, y, dx, fwd_buf, bwd_buf)
+    return Carry(fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss), None
