@@ -233,6 +233,13 @@ def test_config_is_frozen():
     (["model.rope_scaling=llama3", "model.rope_factor=0.5"], ["model.rope_factor = 0.5", "at least 1"]),
     (["model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=4",
       "model.rope_high_freq_factor=1"], ["rope_low_freq_factor = 4.0", "rope_high_freq_factor = 1.0"]),
+    # YaRN's ramp is placed by the pretraining context: no default stands in for a missing one.
+    (["model.rope_scaling=yarn", "model.rope_factor=4"], ["model.rope_original_context", "yarn",
+                                                          "original_max_position_embeddings"]),
+    (["model.rope_scaling=yarn", "model.rope_factor=4", "model.rope_original_context=64",
+      "model.rope_beta_slow=0"], ["rope_beta_slow = 0.0"]),
+    (["model.rope_scaling=yarn", "model.rope_factor=4", "model.rope_original_context=64",
+      "model.rope_attention_factor=-1"], ["model.rope_attention_factor = -1.0"]),
 ])
 def test_model_shape_rules(overrides, values):
     with pytest.raises(ConfigError) as err:

@@ -282,6 +282,97 @@ def test_round_trip(arch, folders, loaded, batch, tmp_path):
         assert torch.equal(_torch_model(str(sharded))(ids).logits, orig)
 
 
+# YaRN (Qwen 2.5 / 3 long context, DeepSeek-V3) on a tiny random Qwen 2: head_dim 16, base 1e4 and
+# an original context of 256 put the eight frequencies in all three of its regimes (dimension 0
+# kept, 1-3 on the ramp, 4-7 divided by the factor); max_position_embeddings is factor x original,
+# as the long-context checkpoints write it. Its attention factor (0.1 ln 4 + 1 on cos and sin)
+# scales every attention logit by 1.30: leaving it out, or a frequency, fails the 1e-4 below.
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+YARN_SEQ = 64
+
+
+def _yarn_folder(folder, rope: dict) -> str:
+    c = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                 rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=True)
+    # transformers 5 reads rope_parameters (with the base), 4.x rope_scaling
+    c.rope_parameters = {**rope, "rope_theta": 1e4}
+    c.rope_scaling = {**rope, "rope_theta": 1e4}
+    m = transformers.Qwen2ForCausalLM(c)
+    _randomize(m, seed=3)
+    m.eval().save_pretrained(str(folder))
+    return str(folder)
+
+
+def _rope_keys(folder) -> dict:
+    """config.json's RoPE scaling without the base (transformers 5 writes rope_parameters, 4.x rope_scaling)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        c = json.load(f)
+    rope = c.get("rope_parameters") if (c.get("rope_parameters") or {}).get("rope_type") else c.get("rope_scaling")
+    return {k: v for k, v in (rope or {}).items() if k != "rope_theta"}
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"original_max_position_embeddings": 64},
+    {"original_max_position_embeddings": 4096, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+     "beta_fast": 16, "beta_slow": 2},  # DeepSeek-V3's keys
+    {"truncate": False, "attention_factor": 1.3, "factor": 8.0}, {"factor": 1.0},
+], ids=["qwen", "short-original", "mscale-betas", "untruncated", "factor-1"])
+def test_yarn_frequencies_equal_transformers(extra, tmp_path):
+    """The imported yarn keys give transformers' own `_compute_yarn_parameters`: the same float32
+    inverse frequencies and the same attention factor (no model built)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxpar.model.layers import rope_attention_scale, rope_inv_freq
+
+    rope = {**YARN_ROPE, **extra}
+    c = transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                 num_hidden_layers=1, max_position_embeddings=1024, rope_theta=1e4)
+    c.rope_parameters = {**rope, "rope_theta": 1e4}
+    c.rope_scaling = {**rope, "rope_theta": 1e4}
+    c.save_pretrained(str(tmp_path))
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](c)
+    cfg = hf.config_from_hf(str(tmp_path))
+    assert cfg.rope_scaling == "yarn" and cfg.rope_context == rope["original_max_position_embeddings"]
+    # float32 pow in XLA and PyTorch: equal here, within an ulp or two at other bases and widths.
+    np.testing.assert_allclose(np.asarray(rope_inv_freq(cfg)), inv_freq.numpy(), rtol=1e-6, atol=0)
+    assert rope_attention_scale(cfg) == pytest.approx(attention_factor, rel=1e-12)
+
+
+def test_yarn_rope_matches_transformers(tmp_path):
+    """A YaRN-scaled Qwen 2 imports (it was refused before) with transformers' logits on one device,
+    and its KV-cache greedy decoding gives transformers' tokens; exported, config.json has the same
+    RoPE keys and transformers computes the same logits from it."""
+    folder = _yarn_folder(tmp_path / "src", YARN_ROPE)
+    cfg = hf.config_from_hf(folder, seq_len=YARN_SEQ)
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_context) == ("yarn", 4.0, 256)
+    params = hf.load_params(folder, cfg, _one_device(cfg))
+    ids = np.random.default_rng(11).integers(0, VOCAB, (2, YARN_SEQ))
+    m = _torch_model(folder)
+    with torch.no_grad():
+        want = m(torch.tensor(ids)).logits.numpy()
+    logits = np.asarray(jax.jit(lambda p, t: model.apply(cfg, p, t))(params, ids))
+    diff = float(np.abs(logits[..., :VOCAB] - want).max())
+    assert diff < 1e-4, f"logits differ from transformers by {diff}"
+
+    prompt = [5, 17, 42, 8, 99, 3]
+    m.generation_config.eos_token_id = None
+    with torch.no_grad():
+        tokens = m.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert generate(cfg, params, prompt, 12) == tokens[0, len(prompt):].tolist()
+
+    out = tmp_path / "out"
+    hf.save_params(params, cfg, str(out))
+    assert _rope_keys(out) == _rope_keys(folder) == YARN_ROPE
+    with open(out / "config.json") as f:
+        assert json.load(f)["max_position_embeddings"] == 1024, "yarn exports its scaled context"
+    with torch.no_grad():
+        back = _torch_model(str(out))(torch.tensor(ids)).logits
+    assert torch.equal(back, torch.tensor(want)), "transformers must compute the same logits from the export"
+    again = hf.config_from_hf(str(out), seq_len=YARN_SEQ)
+    assert again == cfg, "the export reads back as the same model section"
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_kv_cache_equals_recomputation(arch, loaded):
     """Prefill and one cached step give the full forward's logits; greedy decoding with the cache
@@ -456,7 +547,10 @@ BAD = {
                     "tie_word_embeddings"),
     "unimplemented_rope_scaling": (
         lambda f, tmp: (_copy(f["llama"], tmp / "m"), _write_config(tmp / "m", rope_parameters={
-            "rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}))[0], "RoPE type 'yarn'"),
+            "rope_type": "dynamic", "factor": 4.0, "rope_theta": 5e5}))[0], "RoPE type 'dynamic'"),
+    "yarn_without_factor": (
+        lambda f, tmp: (_copy(f["llama"], tmp / "m"), _write_config(tmp / "m", rope_parameters={
+            "rope_type": "yarn", "original_max_position_embeddings": 16, "rope_theta": 5e5}))[0], "lacks `factor`"),
     "pytorch_only": (lambda f, tmp: (_copy(f["gpt2"], tmp / "m"), os.rename(tmp / "m" / "model.safetensors",
                                                                          tmp / "m" / "pytorch_model.bin"))[0],
                      "pytorch_model.bin"),

@@ -98,9 +98,9 @@ def validate(cfg: Config) -> None:
     require(m.arch != "gpt2" or m.tie_embeddings in (None, True),
             "model.tie_embeddings = false, but gpt2 ties its output projection to the token embedding; "
             "remove the key or set it to true.")
-    require(m.rope_scaling in ("none", "linear", "llama3"),
+    require(m.rope_scaling in ("none", "linear", "llama3", "yarn"),
             f"model.rope_scaling = {m.rope_scaling!r} is not a RoPE scaling jaxpar implements; use none, "
-            "linear or llama3.")
+            "linear, llama3 or yarn.")
     if m.rope_scaling != "none":
         require(m.arch == "llama", f"model.rope_scaling = {m.rope_scaling} needs model.arch = llama (got {m.arch}, "
                                    "which has learned positions); set rope_scaling=none.")
@@ -110,8 +110,21 @@ def validate(cfg: Config) -> None:
         require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
                 f"model.rope_low_freq_factor = {m.rope_low_freq_factor} and rope_high_freq_factor = "
                 f"{m.rope_high_freq_factor} must satisfy 0 < low < high; set them to the checkpoint's (Llama 3.1: 1 and 4).")
+        require(m.rope_context > 0, f"model.rope_original_context = {m.rope_original_context} must be "
+                                    "positive; Llama 3.1 uses 8192.")
+    if m.rope_scaling == "yarn":
+        require(m.rope_original_context is not None,
+                "model.rope_scaling = yarn needs model.rope_original_context, the context length the model was "
+                "pretrained with before scaling; set it to the checkpoint's original_max_position_embeddings "
+                "(Qwen 2.5 / 3: 32768).")
         require(m.rope_original_context > 0, f"model.rope_original_context = {m.rope_original_context} must be "
-                                             "positive; Llama 3.1 uses 8192.")
+                                             "positive; set it to the checkpoint's original_max_position_embeddings.")
+        require(m.rope_beta_fast > 0 and m.rope_beta_slow > 0,
+                f"model.rope_beta_fast = {m.rope_beta_fast} and rope_beta_slow = {m.rope_beta_slow} must be "
+                "positive; set them to the checkpoint's (YaRN: 32 and 1).")
+        require(m.rope_attention_factor is None or m.rope_attention_factor > 0,
+                f"model.rope_attention_factor = {m.rope_attention_factor} must be positive; set it to the "
+                "checkpoint's attention_factor, or null for 0.1 ln(rope_factor) + 1.")
     if m.n_experts != 0:
         _validate_moe(m)
     else:

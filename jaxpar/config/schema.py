@@ -62,19 +62,36 @@ class ModelConfig:
     """Whether the output projection is the token embedding, transposed (one matrix, its gradient
     the sum of both uses): null takes the architecture's (gpt2 tied, llama untied); true for
     llamas that tie (Llama 3.2 1B and 3B). gpt2 is always tied."""
-    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    rope_scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
     """How RoPE's frequencies are rescaled for a longer context (llama only): none; linear (every
     frequency divided by rope_factor: positions interpolated); llama3 (Llama 3.1's: wavelengths
     longer than rope_original_context / rope_low_freq_factor divided by rope_factor, shorter than
-    rope_original_context / rope_high_freq_factor kept, those between interpolated smoothly)."""
+    rope_original_context / rope_high_freq_factor kept, those between interpolated smoothly); yarn
+    (YaRN: Qwen 2.5 / 3 long context, DeepSeek-V3: frequencies turning fewer than rope_beta_slow
+    times in rope_original_context divided by rope_factor, more than rope_beta_fast times kept, a
+    linear ramp over the dimensions between; cos and sin multiplied by rope_attention_factor)."""
     rope_factor: float = 1.0
-    """The frequency divisor of rope_scaling linear and llama3 (Llama 3.1: 8, 3.2: 32)."""
+    """The frequency divisor of rope_scaling linear, llama3 and yarn (Llama 3.1: 8, 3.2: 32; Qwen 2.5 / 3
+    YaRN: 4)."""
     rope_low_freq_factor: float = 1.0
     """llama3 scaling: wavelengths above rope_original_context / this are divided by rope_factor."""
     rope_high_freq_factor: float = 4.0
     """llama3 scaling: wavelengths below rope_original_context / this are kept."""
-    rope_original_context: int = 8192
-    """llama3 scaling: the context length the model was pretrained with before scaling."""
+    rope_original_context: int | None = None
+    """llama3 and yarn scaling: the context length the model was pretrained with before scaling
+    (config.json's original_max_position_embeddings); null is Llama 3.1's 8192 under llama3, and
+    yarn requires it (Qwen 2.5 / 3: 32768)."""
+    rope_beta_fast: float = 32.0
+    """yarn scaling: frequencies turning more than this many times in rope_original_context are kept."""
+    rope_beta_slow: float = 1.0
+    """yarn scaling: frequencies turning fewer than this many times in rope_original_context are
+    divided by rope_factor."""
+    rope_truncate: bool = True
+    """yarn scaling: round the ends of the ramp outwards to whole dimensions (transformers'
+    `truncate`, true unless config.json sets it)."""
+    rope_attention_factor: float | None = None
+    """yarn scaling: what cos and sin are multiplied by (attention logits grow by its square); null
+    is YaRN's 0.1 ln(rope_factor) + 1 (1 for a factor of 1)."""
     init_std: float = 0.02
     """Standard deviation of the normal initializer of weight matrices."""
     block: str = "pre_norm"
@@ -136,6 +153,12 @@ class ModelConfig:
     def head_size(self) -> int:
         """Width of one attention head: `head_dim`, or d_model / n_heads when it is null."""
         return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def rope_context(self) -> int:
+        """The pretraining context of llama3 and yarn scaling: `rope_original_context`, or Llama 3.1's
+        8192 when it is null."""
+        return 8192 if self.rope_original_context is None else self.rope_original_context
 
     @property
     def moe(self) -> bool:

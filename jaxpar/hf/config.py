@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -98,9 +99,9 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
         # transformers 5 writes the scaling into rope_parameters, 4.x into rope_scaling.
         scaling = rope if ("rope_type" in rope or "type" in rope) else scaling
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        refuse(rope_type in ("default", "linear", "llama3"), path, f"RoPE type {rope_type!r}",
-                "jaxpar implements the default, linear and llama3 rotary embeddings")
-        refuse(scaling.get("attention_factor") in (None, 1, 1.0), path,
+        refuse(rope_type in ("default", "linear", "llama3", "yarn"), path, f"RoPE type {rope_type!r}",
+                "jaxpar implements the default, linear, llama3 and yarn rotary embeddings")
+        refuse(rope_type == "yarn" or scaling.get("attention_factor") in (None, 1, 1.0), path,
                 f"rope attention_factor = {scaling.get('attention_factor')!r}",
                 "jaxpar's linear and llama3 RoPE leave the attention scale unchanged (attention_factor 1)")
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
@@ -126,6 +127,8 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
             fields.update(rope_low_freq_factor=float(sv("low_freq_factor")),
                           rope_high_freq_factor=float(sv("high_freq_factor")),
                           rope_original_context=int(sv("original_max_position_embeddings")))
+        if rope_type == "yarn":
+            fields.update(_yarn_fields(scaling, path, fields["rope_factor"], int(sv("original_max_position_embeddings"))))
         # Full causal attention equals a sliding window of W tokens on sequences of at most W.
         default_len = min(max_pos, LLAMA_SEQ_CAP, window or max_pos)
         refuse(window is None or seq_len is None or window >= seq_len, path, f"sliding_window = {window}",
@@ -159,6 +162,27 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
     return cfg
 
 
+def _yarn_fields(scaling: dict[str, Any], path: str, factor: float, original: int) -> dict[str, Any]:
+    """The ModelConfig fields of a yarn rope_scaling (or rope_parameters) besides its factor, read as
+    transformers' _compute_yarn_parameters reads them: beta_fast and beta_slow 32 and 1 when absent
+    (or 0), truncate true when absent; attention_factor as written, else from mscale and
+    mscale_all_dim when both are set (DeepSeek-V3), else null (0.1 ln(factor) + 1)."""
+    def number(key: str) -> float | None:
+        value = scaling.get(key)
+        refuse(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0),
+                path, f"rope {key} = {value!r}", f"{key} must be a non-negative number")
+        return None if value is None else float(value)
+
+    truncate = scaling.get("truncate", True)
+    refuse(isinstance(truncate, bool), path, f"rope truncate = {truncate!r}", "truncate must be true or false")
+    attention, mscale, mscale_all_dim = number("attention_factor"), number("mscale"), number("mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim:
+        get = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731 (yarn_get_mscale)
+        attention = float(get(mscale) / get(mscale_all_dim))
+    return dict(rope_original_context=original, rope_beta_fast=number("beta_fast") or 32.0,
+                rope_beta_slow=number("beta_slow") or 1.0, rope_truncate=truncate, rope_attention_factor=attention)
+
+
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """config.json of a jaxpar model (the keys both transformers 4.45+ and 5 read)."""
     dtype = cfg.param_dtype
@@ -172,7 +196,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "architectures": [f"{name}ForCausalLM"], "model_type": family, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
-            "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+            "hidden_act": "silu", "max_position_embeddings": _positions(cfg), "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(cfg), "attention_bias": False, "mlp_bias": False,
             "tie_word_embeddings": cfg.tied, "initializer_range": cfg.init_std, "torch_dtype": dtype,
         }
@@ -192,6 +216,15 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _positions(cfg: ModelConfig) -> int:
+    """config.json's max_position_embeddings: seq_len, or under yarn at least the scaled context
+    (factor x original), as YaRN checkpoints write it (transformers 4.x derives yarn's factor from
+    the two when both are present)."""
+    if cfg.rope_scaling == "yarn":
+        return max(cfg.seq_len, round(cfg.rope_factor * cfg.rope_context))
+    return cfg.seq_len
+
+
 def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
     """config.json's rope_scaling of `cfg` (transformers 4.x reads it; 5 reads it into rope_parameters)."""
     if cfg.rope_scaling == "none":
@@ -199,17 +232,31 @@ def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
     out = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
     if cfg.rope_scaling == "llama3":
         out.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
-                   original_max_position_embeddings=cfg.rope_original_context)
+                   original_max_position_embeddings=cfg.rope_context)
+    if cfg.rope_scaling == "yarn":  # the optional keys only where they differ from transformers' defaults
+        out["original_max_position_embeddings"] = cfg.rope_context
+        for key, value, default in (("beta_fast", cfg.rope_beta_fast, 32.0), ("beta_slow", cfg.rope_beta_slow, 1.0),
+                                    ("truncate", cfg.rope_truncate, True),
+                                    ("attention_factor", cfg.rope_attention_factor, None)):
+            if value != default:
+                out[key] = value
     return out
 
 
 _MATCHED = ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "head_size", "n_experts", "experts_per_token",
             "expert_width", "n_shared_experts", "router", "router_norm_topk", "moe_pattern", "d_ff", "vocab_size",
             "norm_eps", "tied", "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rope_factor",
-            "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
+            "rope_low_freq_factor", "rope_high_freq_factor", "rope_context", "rope_beta_fast", "rope_beta_slow",
+            "rope_truncate", "rope_attention_factor")
 # Keys compared as the model uses them, set through another field (null there: derived from others).
 _SET_BY = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "tied": "tie_embeddings", "expert_width": "expert_d_ff",
-           "moe_pattern": "moe_layers"}
+           "moe_pattern": "moe_layers", "rope_context": "rope_original_context"}
+# The RoPE keys each scaling uses (the others are compared with nothing).
+_ROPE_KEYS = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "rope_scaling", "rope_factor"),
+              "llama3": ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                         "rope_context"),
+              "yarn": ("rope_theta", "rope_scaling", "rope_factor", "rope_context", "rope_beta_fast", "rope_beta_slow",
+                       "rope_truncate", "rope_attention_factor")}
 
 
 def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
@@ -222,10 +269,9 @@ def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
     is one difference, not also a head_dim one."""
     hf_cfg = config_from_hf(folder)
     path = os.path.join(folder, "config.json")
-    used = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "rope_scaling", "rope_factor")}
 
     def compared(key: str) -> bool:
-        if key.startswith("rope") and (cfg.arch != "llama" or key not in used.get(hf_cfg.rope_scaling, (key,))):
+        if key.startswith("rope") and (cfg.arch != "llama" or key not in _ROPE_KEYS[hf_cfg.rope_scaling]):
             return False
         if key == "d_ff" and hf_cfg.moe and not hf_cfg.mixed:  # every MLP is MoE: d_ff is unused
             return False
@@ -261,7 +307,7 @@ def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
         if not seq_ok:
             items.append(f"model.seq_len = {cfg.seq_len} (folder: at most {hf_cfg.seq_len})")
         n = len(items)
-        sets = " ".join(f"--set model.{k}={want}" for k, (_, want) in diffs.items())
+        sets = " ".join(f"--set model.{k}={'null' if want is None else want}" for k, (_, want) in diffs.items())
         if not seq_ok:
             sets += f" --set model.seq_len={hf_cfg.seq_len}"
         raise HFError(f"{n} setting{'s' if n > 1 else ''} of the model section differ{'s' if n == 1 else ''} from "

@@ -15,6 +15,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -278,19 +279,51 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
         return inv_freq / cfg.rope_factor
     if cfg.rope_scaling == "llama3":
         factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-        context = cfg.rope_original_context
+        context = cfg.rope_context
         wavelen = 2 * math.pi / inv_freq
         scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
         smooth = (context / wavelen - low) / (high - low)
         medium = (wavelen >= context / high) & (wavelen <= context / low)
         return jnp.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    if cfg.rope_scaling == "yarn":
+        # The dimension whose frequency turns `turns` times in the original context, from either end
+        # of the ramp (YaRN's find_correction_range), rounded outwards when truncating.
+        def dim(turns: float) -> float:
+            return H * math.log(cfg.rope_context / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        low, high = dim(cfg.rope_beta_fast), dim(cfg.rope_beta_slow)
+        if cfg.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, H - 1)
+        high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+        # The ramp in numpy's float32 (a constant of the config): rounded as PyTorch rounds it, where
+        # XLA's division by a constant can differ in the last bit.
+        ramp = jnp.asarray(np.clip((np.arange(H // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low),
+                                   0, 1))
+        pos_freqs = cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+        extrapolation = 1 - ramp
+        return 1.0 / (cfg.rope_factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
     return inv_freq
 
 
+def rope_attention_scale(cfg: ModelConfig) -> float:
+    """What RoPE's cos and sin are multiplied by: yarn's `rope_attention_factor`, or YaRN's default
+    0.1 ln(rope_factor) + 1 (1 for a factor of at most 1) when it is null; 1 for the other scalings."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor is not None:
+        return cfg.rope_attention_factor
+    return 1.0 if cfg.rope_factor <= 1 else 0.1 * math.log(cfg.rope_factor) + 1.0
+
+
 def rope_tables(seq_len: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of shape [T, H/2] (float32) for rotary position embeddings."""
+    """cos, sin of shape [T, H/2] (float32) for rotary position embeddings, each multiplied by
+    `rope_attention_scale` (yarn's attention factor) as transformers does."""
     angles_TxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * rope_inv_freq(cfg)[None, :]
-    return jnp.cos(angles_TxH2), jnp.sin(angles_TxH2)
+    scale = rope_attention_scale(cfg)
+    if scale == 1.0:
+        return jnp.cos(angles_TxH2), jnp.sin(angles_TxH2)
+    return jnp.cos(angles_TxH2) * scale, jnp.sin(angles_TxH2) * scale
 
 
 def apply_rope(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -> jax.Array:
