@@ -143,6 +143,18 @@ def manual_region(cfg: Config, mesh: Mesh, *always: str) -> tuple[set[str], Rule
 
 
 @dataclasses.dataclass(frozen=True)
+class GradientReduction:
+    """How one gradient leaf is reduced over `data` in a step (`Reduction.gradient`)."""
+
+    op: str         # "all-reduce" or "reduce-scatter" (along the leaf's ZeRO dim)
+    when: str
+    """`use`: where the parameter is used, per microbatch (inside the backward layer scan; in a
+    pipeline in each B or W action); `after`: once per step, after the microbatch or tick loop."""
+    float32: bool   # reduced in float32 (else in the parameter's dtype)
+    per_step: int   # reductions per step
+
+
+@dataclasses.dataclass(frozen=True)
 class Reduction:
     """Where a step reduces its gradients over `data` and gathers ZeRO-3's parameters, for one
     config on one mesh: the one description that both executors (`make_loss_and_grads`,
@@ -164,9 +176,42 @@ class Reduction:
     loop? ZeRO-1/2 reduce-scatter there through a zero seed (`Handout`), ZeRO-0 all-reduces
     through the data-varying cast's transpose, ZeRO-3 through its gather's."""
 
+    master: bool = False
+    """`train.master_weights`: what is differentiated (and reduced at use) is float32."""
+
     @property
     def dp(self) -> bool:
         return self.data > 1
+
+    def gradient(self, sharded: bool, expert: bool = False) -> GradientReduction | None:
+        """How the gradient of a leaf is reduced over `data` (None: not at all, one data shard or
+        an expert-parallel expert, whose gradient is complete on its rank). `sharded`: the leaf is
+        ZeRO-sharded over data (`Layout.zero_dims` not None). The executors (`reduce_after`,
+        `hand_out`, the pipeline's W) and the planner (`jaxpar.plan.collectives`, `.memory`) read
+        this one rule."""
+        if not self.dp or expert:
+            return None
+        sharded = sharded and self.zero >= 1
+        # A pipeline's unsharded leaves are data-varying already when its actions use them (no
+        # cast to transpose): summed in its float32 accumulators and reduced after the loop.
+        use = self.at_use and (sharded or not self.pipeline)
+        return GradientReduction(
+            op="reduce-scatter" if sharded else "all-reduce", when="use" if use else "after",
+            # At use: the differentiated dtype. After the loop: the pipeline's float32 accumulators;
+            # data parallelism's accumulator is cast back to the differentiated dtype first.
+            float32=self.master or (self.pipeline and not use),
+            per_step=self.microbatches if use else 1)
+
+    def reduce_after(self, g: jax.Array, dim: int | None, expert: bool = False) -> jax.Array:
+        """The reduction after the microbatch or tick loop of a gradient whose ZeRO dim is `dim`
+        (`gradient(...).when == "after"`; one reduced at use, or not at all, comes back as is):
+        the one call of both executors."""
+        rule = self.gradient(dim is not None, expert)
+        if rule is None or rule.when == "use":
+            return g
+        if rule.op == "all-reduce":
+            return jax.lax.psum(g, DATA)
+        return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
 
     @property
     def scatter(self) -> bool:
@@ -200,7 +245,8 @@ def reduction(cfg: Config, data: int, stage: int) -> Reduction:
     gather = zero3_gathers(cfg, stage) if zero == 3 else None
     at_use = data > 1 and (gather == "use" or (zero == 2 and par.zero2_reduce == "microbatch")
                            or (zero in (0, 1, 2) and m == 1 and not pipeline))
-    return Reduction(data=data, zero=zero, pipeline=pipeline, microbatches=m, gather=gather, at_use=at_use)
+    return Reduction(data=data, zero=zero, pipeline=pipeline, microbatches=m, gather=gather, at_use=at_use,
+                     master=cfg.train.master_weights != "none")
 
 
 def zero3_gathers(cfg: Config, stage: int) -> str:
@@ -270,9 +316,8 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
                 params = jax.tree.map(_gather, params, layout.zero_dims)
             params = jax.tree.map(_varying, params)
         loss, g = accumulate(params, params, batch)
-        if dp:  # (an expert-parallel leaf's gradient is complete on its rank: not reduced)
-            g = jax.tree.map(lambda x, dim, e: x if e else _reduce(x, dim if zero >= 1 else None), g, layout.zero_dims,
-                             layout.experts, is_leaf=lambda x: x is None or isinstance(x, int))
+        g = jax.tree.map(red.reduce_after, g, layout.zero_dims, layout.experts,
+                         is_leaf=lambda x: x is None or isinstance(x, int))
         return _finish(loss, g)
 
     def _finish(loss, g):
@@ -288,10 +333,3 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
 def _gather(x: jax.Array, dim: int | None) -> jax.Array:
     """A ZeRO-3 shard all-gathered over `data` along its sharded dim (a replicated leaf as is)."""
     return x if dim is None else jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
-
-
-def _reduce(g: jax.Array, dim: int | None) -> jax.Array:
-    """One reduction of a gradient over `data`: reduce-scatter along its ZeRO dim, else all-reduce."""
-    if dim is None:
-        return jax.lax.psum(g, DATA)
-    return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)

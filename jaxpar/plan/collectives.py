@@ -11,7 +11,7 @@ from jaxpar.config import Config
 from jaxpar.mesh import AXES
 from jaxpar.parallel.gradients import reduction
 from jaxpar.plan import moe as moe_costs
-from jaxpar.plan.memory import _BYTES, _gather_per_step, _schedule, _stage_slots, model_state
+from jaxpar.plan.memory import _BYTES, _fused_b, _schedule, _stage_slots, model_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +23,9 @@ class Collective:
     bytes: float
     count: int = 1
     overlap: bool = False
+    static: float | None = None
+    """How often the HLO states it where that differs from `count` (what `jaxpar.inspect` reads):
+    one in a pipeline's action branch is stated in every tick."""
 
     def wire(self, n: int) -> float:
         """Bytes one device sends per step over a group of n devices (ring algorithms):
@@ -50,9 +53,9 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     # Expert parallelism's experts (`jaxpar.plan.moe`): never reduced over data, never ZeRO-sharded.
     ep = st["experts"]
     out: list[Collective] = []
-    if d > 1 and p == 1:
-        if zero == 3:
-            shared = st["sharded"] - st["blocks_sharded"]
+    if p == 1:
+        out += _data_reductions(cfg, red, gb, groups=((st["local"] - ep, st["sharded"]),))
+        if d > 1 and zero == 3:
             if red.gather == "step":
                 # zero3_gather: step: every shard gathered once before the microbatch loop and
                 # kept for the step.
@@ -60,28 +63,9 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             else:
                 # Per microbatch: each block layer gathered in the forward and again in the
                 # backward pass, the leaves outside the layer scan once.
+                shared = st["sharded"] - st["blocks_sharded"]
                 out.append(Collective("all-gather", ("data",), (2 * st["blocks_sharded"] + shared) * gb, micro,
                                       overlap=True))
-            # Each gradient reduce-scattered, per microbatch. (With zero3_gather: step the step
-            # reduce-scatters once, after the microbatch loop: DESIGN.md §4 row 5, §9.)
-            out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d * gb, micro, overlap=True))
-            if st["local"] - ep > st["sharded"]:
-                out.append(Collective("all-reduce", ("data",), (st["local"] - ep - st["sharded"]) * gb, micro,
-                                      overlap=True))
-        else:
-            # At use (one microbatch, or ZeRO-2 per microbatch): per layer in the backward scan,
-            # once per microbatch; else once after the accumulation loop.
-            in_scan = red.at_use
-            runs = micro if in_scan else 1
-            if zero >= 1:
-                out.append(Collective("reduce-scatter", ("data",), st["sharded"] / d * gb, runs, overlap=in_scan))
-                reduced = st["local"] - ep - st["sharded"]
-            else:
-                reduced = st["local"] - ep
-            if reduced:
-                out.append(Collective("all-reduce", ("data",), reduced * gb, runs, overlap=in_scan))
-            if zero >= 1 and st["sharded"]:
-                out.append(Collective("all-gather", ("data",), st["sharded"]))  # the updated parameters
     if p > 1:
         sched, table = _schedule(cfg, p)
         ticks = sched.num_ticks()
@@ -89,42 +73,36 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
         # One forward and one backward ppermute every tick (idle stages send zeros).
         out.append(Collective("collective-permute", ("stage",), msg, 2 * ticks))
         f32 = 4 / itemsize
-        shared = st["local"] - st["blocks"]
-        # Float32 accumulators reduced once after the tick loop: blocks over data, the shared
-        # leaves (embeddings, head; used by the end stages) over data and stage.
-        if zero == 2 and red.at_use:
-            # Reduce-scattered by every B where its seed is transposed (per microbatch).
-            out.append(Collective("reduce-scatter", ("data",), st["blocks_sharded"] / d, micro, overlap=True))
-            if st["blocks"] - ep > st["blocks_sharded"]:
-                out.append(Collective("all-reduce", ("data",), (st["blocks"] - ep - st["blocks_sharded"]) * f32))
-        elif d > 1 and zero >= 1:
-            # ZeRO-1/2 (zero2_reduce: step) and ZeRO-3 under a pipeline: the float32 accumulators
-            # reduce-scattered after the tick loop; ZeRO-3 gathers each chunk's layers where F and B
-            # use them (per microbatch: forward, recomputed forward, backward), or once per step.
-            # (With zero3_gather: microbatch the step reduce-scatters per layer per B inside the
-            # loop instead, in the parameter dtype; this counts one reduction after the loop:
-            # DESIGN.md §4, §9.)
-            out.append(Collective("reduce-scatter", ("data",), st["blocks_sharded"] * f32 / d))
-            if st["blocks"] - ep > st["blocks_sharded"]:
-                out.append(Collective("all-reduce", ("data",), (st["blocks"] - ep - st["blocks_sharded"]) * f32))
-            if zero == 3:
-                uses = 1 if _gather_per_step(cfg, p) else 3 * micro
-                out.append(Collective("all-gather", ("data",), st["blocks_sharded"] * gb, uses, overlap=True))
-        elif d > 1:
-            out.append(Collective("all-reduce", ("data",), (st["blocks"] - ep) * f32))
-        # The shared leaves stored sharded over `stage` (large ones: embeddings, head) are gathered
-        # over `stage` before the loop and their gradients reduce-scattered over it after; the
-        # others are all-reduced (over data and stage together).
-        staged = st["staged"]
+        v = par.virtual_stages
+        # What is reduced or gathered at use sits in the tick's action branches (B or W; F and B
+        # or I for ZeRO-3's gathers), which the HLO states once per tick and chunk each.
+        branches = _fused_b(par.schedule, p, micro, v) + table.split
+        shared, shared_sh = st["local"] - st["blocks"], st["sharded"] - st["blocks_sharded"]
+        out += _data_reductions(cfg, red, gb, static=ticks * branches / v, groups=(
+            (st["blocks"] - ep, st["blocks_sharded"]), (shared, shared_sh)))
+        # The shared leaves (embeddings, head; used by the end stages) are summed over `stage` after
+        # the tick loop (after their data reduction, in float32): reduce-scattered where they are
+        # stored sharded over `stage` (large ones, gathered over it before the loop), else all-reduced.
+        staged, staged_sh = st["staged"], st["staged_sharded"]
+        div = d if d > 1 and zero >= 1 else 1  # (a ZeRO-sharded leaf's data shard)
         if staged:
-            out.append(Collective("all-gather", ("stage",), staged))
-            out.append(Collective("reduce-scatter", ("stage",), staged * f32 / p))
-            if d > 1:
-                out.append(Collective("all-reduce", ("data",), staged * f32))
+            out.append(Collective("all-gather", ("stage",), staged - staged_sh + staged_sh / (div if zero == 3 else 1)))
+            out.append(Collective("reduce-scatter", ("stage",), (staged - staged_sh + staged_sh / div) * f32 / p))
         if shared > staged:
-            out.append(Collective("all-reduce", ("data", "stage") if d > 1 else ("stage",), (shared - staged) * f32))
-        if d > 1 and zero in (1, 2) and st["sharded"]:
-            out.append(Collective("all-gather", ("data",), st["sharded"]))
+            rest, rest_sh = shared - staged, shared_sh - staged_sh
+            out.append(Collective("all-reduce", ("stage",), (rest - rest_sh + rest_sh / div) * f32))
+        if d > 1 and zero == 3:
+            if red.gather == "step":
+                out.append(Collective("all-gather", ("data",), st["sharded"] * gb, 1, overlap=True))
+            else:
+                # Each chunk's layers gathered where F and B (or I) use them, per microbatch (and
+                # again in the backward pass where remat recomputes the forward), the shared
+                # leaves where the end stages' F and B use them.
+                uses = 2 + (par.remat != "none")
+                out.append(Collective("all-gather", ("data",), st["blocks_sharded"] * gb, uses * micro, overlap=True,
+                                      static=ticks * uses / v))
+                if shared_sh:
+                    out.append(Collective("all-gather", ("data",), shared_sh * gb, micro, overlap=True, static=ticks))
         if _stage_slots(cfg, p) is not None:
             # Each stage's layer slots by an all-to-all over stage (`buffers.to_slots`), of the
             # stored parameters (ZeRO-3: data shards), and the gradients back after their data
@@ -136,6 +114,8 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             # The step reorders the block parameters into pipeline order and their gradients back
             # (GSPMD places an all-to-all over stage each way).
             out.append(Collective("all-to-all", ("stage",), st["blocks"], 2))
+    if d > 1 and zero in (1, 2) and st["sharded"]:
+        out.append(Collective("all-gather", ("data",), st["sharded"]))  # the updated parameters
     if t > 1:
         out += _tensor_collectives(cfg, rows, t, sp, act_size, p, d)
     volume, count = moe_costs.all_to_all(cfg, shape, rows, act_size)
@@ -213,6 +193,26 @@ def _tp_sublayers(cfg: Config, L: int, t: int) -> int:
                     else 0)
 
 
+def _data_reductions(cfg: Config, red, gb: float, groups, static: float | None = None) -> list[Collective]:
+    """The data-axis reductions of the gradients, read from the executors' one rule
+    (`jaxpar.parallel.gradients.Reduction.gradient`): for each group of leaves (its bytes, and of
+    those the bytes ZeRO shards over data; expert-parallel experts left out), a reduce-scatter of
+    the sharded part and an all-reduce of the rest, in the dtype, at the place and as often as the
+    rule says. `static`: how often the HLO states one reduced at use (a pipeline's tick branches)."""
+    out = []
+    f32 = 4 / _BYTES[cfg.model.param_dtype]
+    for nbytes, sharded in groups:
+        for part, is_sharded in ((sharded, True), (nbytes - sharded, False)):
+            rule = red.gradient(is_sharded)
+            if rule is None or not part:
+                continue
+            use = rule.when == "use"
+            out.append(Collective(rule.op, ("data",), (part / red.data if rule.op == "reduce-scatter" else part)
+                                  * (f32 if rule.float32 else gb), rule.per_step, overlap=use,
+                                  static=static if use and red.pipeline else None))
+    return out
+
+
 def bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]:
     """Result bytes of the collectives of one step on each axis (a collective spanning two axes
     counts on both), as `jaxpar.inspect.Report.traffic(spans=axis)` reads them from the HLO."""
@@ -226,13 +226,17 @@ def bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]
 def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]:
     """`bytes_per_axis` as the HLO states it statically, which is what `jaxpar.inspect` counts.
 
-    The two differ only for tensor parallelism inside a pipeline: there the executor's F and B sit
-    in `lax.cond`s evaluated every tick, and the inspector counts every branch as taken in every
-    tick (an upper bound), where the step really runs one branch per action. Per tick the program
+    The two differ inside a pipeline: there the executor's F and B sit in `lax.cond`s evaluated
+    every tick, and the inspector counts every branch as taken in every tick (an upper bound),
+    where the step really runs one branch per action: the data-axis collectives at use
+    (`Collective.static`) and tensor parallelism's. Per tick the program
     holds F (the embedding's collective and the chunk's forward), B of the last chunk (forward,
     head, backward) and B of the others (forward without the last sub-layer's collective, whose
     result the vjp drops, and backward); remat adds the recomputed forward to both B branches."""
-    out = bytes_per_axis(cfg, shape)
+    out = {a: 0.0 for a in AXES}
+    for c in collectives(cfg, shape):
+        for a in c.axes:
+            out[a] += c.bytes * (c.count if c.static is None else c.static)
     d, p, t = shape
     if p == 1 or t == 1:
         return out

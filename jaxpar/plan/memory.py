@@ -115,7 +115,7 @@ def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
                         layout.stage_dims, is_leaf=lambda x: isinstance(x, P))
     out = {"params": acct["params"]["per_device"], "grads": acct["grads"]["per_device"],
            "optimizer": acct["optimizer"]["per_device"]}
-    out.update(local=0, sharded=0, blocks_sharded=0, blocks=0, staged=0, experts=0)
+    out.update(local=0, sharded=0, blocks_sharded=0, blocks=0, staged=0, staged_sharded=0, experts=0)
     ep, d = moe_costs.expert_parallel(cfg, mesh.shape["data"]), mesh.shape["data"]
     flat_names = jax.tree.leaves(model.param_names(cfg.model), is_leaf=lambda x: isinstance(x, tuple))
     flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
@@ -143,6 +143,7 @@ def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
         if dim is not None:
             out["sharded"] += nbytes
             out["blocks_sharded"] += nbytes * is_block
+            out["staged_sharded"] += nbytes * (sdim is not None)
     return out
 
 
@@ -245,8 +246,12 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     flash = uses_flash_attention(cfg, platform)
     # Remat `offload` (refused under a pipeline): the layer scan's saved matmul outputs on the host.
     host = _offloaded(m_act, rows, t, sp, par.remat, flash, platform) if p == 1 else 0
+    red = reduction(cfg, d, p)
+    # Reduced at use (`Reduction.gradient`), a ZeRO-sharded leaf's gradient is held as its data
+    # shard: in the step's outputs, and in the float32 accumulators of microbatches or a pipeline.
+    shards = st["local"] - st["sharded"] + st["sharded"] / d if red.at_use and zero >= 1 else st["local"]
     if p == 1:
-        if zero == 3 or (zero in (1, 2) and reduction(cfg, d, p).at_use):
+        if red.at_use and zero >= 1:
             # Reduce-scattered where each layer's gradient arises: the data shards, plus one
             # layer's full gradient in flight (ZeRO-1/2; ZeRO-3's is counted with its gathers).
             # (Expert-parallel experts are never reduced over data: not in flight.)
@@ -255,7 +260,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         else:
             grads = st["local"] * g
         if micro > 1:
-            grads = grads + (st["local"] if zero < 3 else st["grads"]) * f32
+            grads = grads + shards * f32
         act = _activations(m_act, rows, t, sp, par.remat, True, flash)
         act["layers"] -= host
         buffers = 0
@@ -292,7 +297,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
                    + table.wstash * homeless + (par.remat == "none") * taps)
         # (+ I's output before it is written, measured on CPU; with remat `dots` or `full` XLA
         # writes it into the wstash in place.)
-        grads = st["local"] * (f32 + g)
+        grads = shards * f32 + st["local"] * g
     grads += upcast
     logits = rows * m.seq_len * m.padded_vocab // t * 4
     # What remat recomputes in a layer's backward: `layer_backward` counts what the layer's
