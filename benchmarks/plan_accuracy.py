@@ -48,6 +48,11 @@ MATRIX = {
     "dp2-pp4-zb": dict(mesh=(2, 4, 1), schedule="zb_h1", microbatches=4),
     "pp4-tp2-zb-dots": dict(mesh=(1, 4, 2), schedule="zb_h1", microbatches=8, remat="dots"),
     "gpt2-3d-1f1b-dots": dict(arch="gpt2", mesh=(2, 2, 2), microbatches=4, remat="dots"),
+    # Where the gradients' reduction rule takes its other branches (tests/test_plan.py, REDUCTION).
+    "dp8-zero3-step-m2": dict(mesh=(8, 1, 1), zero=3, microbatches=2, zero3_gather="step"),
+    "dp4-pp2-zero3-1f1b": dict(mesh=(4, 2, 1), zero=3, microbatches=4),
+    "dp4-pp2-zero3-zb": dict(mesh=(4, 2, 1), zero=3, microbatches=4, schedule="zb_h1"),
+    "dp4-pp2-zero2-microbatch": dict(mesh=(4, 2, 1), zero=2, microbatches=4, zero2_reduce="microbatch"),
 }
 
 
