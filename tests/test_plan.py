@@ -22,7 +22,7 @@ from jaxpar.train.step import lower_step
 # Predicted per-device memory (arguments + temp of `compiled.memory_analysis()`) within 15%: the
 # activations come from JAX's own saved residuals, but XLA's temporaries beyond them (the backward
 # working set of one layer, optimizer update buffers) are modelled, not read; measured errors on
-# this matrix are -13.6% .. +12.8% (docs/planner.md, "Checked against the compiled program").
+# this matrix are -13.0% .. +11.1% (docs/planner.md, "Checked against the compiled program").
 MEMORY_RTOL = 0.15
 # Bytes per axis within 10% of the inspector's count: the planner leaves out scalars (loss, norm
 # partial sums) and, inside a pipeline, a few small collectives of the loss; measured 0-5%.
