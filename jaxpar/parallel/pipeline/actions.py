@@ -289,9 +289,9 @@ def weight_grads(plan, d_taps):
         extra = tuple(a for a in varying_axes(dw) if a not in plan.acc_axes[k_])
         if extra:
             dw = jax.lax.psum(dw, extra)
-        # (ZeRO's reduction at use, `Reduction.at_use`, of a sharded weight's gradient.)
-        if (s.reduction.at_use and s.dp and plan.dim_of[k_] >= 0
-                and (s.gather == "use" or plan.block_mask_flat[k_])):
+        # A sharded weight's gradient where the reduction rule reduces it at use (per microbatch).
+        rule = s.reduction.gradient(plan.dim_of[k_] >= 0 and (s.gather == "use" or plan.block_mask_flat[k_]))
+        if rule is not None and rule.when == "use":
             dw = jax.lax.psum_scatter(dw, DATA, scatter_dimension=plan.dim_of[k_], tiled=True)
         out[k_] = dw
     return out

@@ -1,6 +1,6 @@
 """What every stage knows before it traces anything (`Setup`): the config, the mesh's sizes, the
 table and the policies derived from them; and the data-axis reduction of a gradient after the tick
-loop (`Setup.reduce_data`, the one place the executor writes it). Built once per step function by
+loop (`Setup.reduce_data`: the reduction rule's `Reduction.reduce_after`). Built once per step function by
 `make_setup`."""
 
 from __future__ import annotations
@@ -60,14 +60,9 @@ class Setup:
         return self.reduction.gather
 
     def reduce_data(self, g: jax.Array, dim: int | None) -> jax.Array:
-        """The data-axis reduction after the loop of one gradient whose ZeRO dim is `dim`."""
-        if not self.dp:
-            return g
-        if dim is None or self.zero < 1:
-            return jax.lax.psum(g, DATA)
-        if self.reduction.at_use:
-            return g  # reduce-scattered per microbatch, where its gather (or its seed) was transposed
-        return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+        """The data-axis reduction after the loop of one gradient whose ZeRO dim is `dim`: the
+        reduction rule's own (`Reduction.reduce_after`; one reduced at use comes back as is)."""
+        return self.reduction.reduce_after(g, dim)
 
 
 def make_setup(cfg: Config, mesh: Mesh, layout: Layout, table: Table, loss_sum: Callable,
