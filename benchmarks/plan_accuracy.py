@@ -53,6 +53,8 @@ MATRIX = {
     "dp4-pp2-zero3-1f1b": dict(mesh=(4, 2, 1), zero=3, microbatches=4),
     "dp4-pp2-zero3-zb": dict(mesh=(4, 2, 1), zero=3, microbatches=4, schedule="zb_h1"),
     "dp4-pp2-zero2-microbatch": dict(mesh=(4, 2, 1), zero=2, microbatches=4, zero2_reduce="microbatch"),
+    "3d-zero3-interleaved-dots": dict(mesh=(2, 2, 2), zero=3, microbatches=4, schedule="interleaved_1f1b",
+                                      virtual_stages=2, remat="dots"),
 }
 
 

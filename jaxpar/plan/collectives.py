@@ -95,25 +95,22 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             if red.gather == "step":
                 out.append(Collective("all-gather", ("data",), st["sharded"] * gb, 1, overlap=True))
             else:
-                # Each chunk's layers gathered where F and B (or I) use them, per microbatch (and
-                # again in the backward pass where remat recomputes the forward), the shared
-                # leaves where the end stages' F and B use them.
-                uses = 2 + (par.remat != "none")
+                # Each chunk's layers gathered where F and B (or I) use them, per microbatch (B's
+                # backward reuses what its recomputed forward gathered, whatever the remat policy:
+                # measured), the shared leaves where the end stages' F and B use them.
+                uses = 2
                 out.append(Collective("all-gather", ("data",), st["blocks_sharded"] * gb, uses * micro, overlap=True,
                                       static=ticks * uses / v))
                 if shared_sh:
                     out.append(Collective("all-gather", ("data",), shared_sh * gb, micro, overlap=True, static=ticks))
-        if _stage_slots(cfg, p) is not None:
-            # Each stage's layer slots by an all-to-all over stage (`buffers.to_slots`), of the
-            # stored parameters (ZeRO-3: data shards), and the gradients back after their data
-            # reduction (ZeRO 1-3: data shards).
+        if _stage_slots(cfg, p) is not None or par.virtual_stages > 1:
+            # Each stage's layer slots by an all-to-all over stage (`pipeline.stash.to_slots`), or
+            # the interleaved chunks reordered into pipeline order (GSPMD's all-to-all over stage),
+            # of the stored parameters (ZeRO-3: data shards), and the gradients back after their
+            # data reduction (ZeRO 1-3: data shards).
             shards = st["blocks"] - st["blocks_sharded"] + st["blocks_sharded"] / d
             out.append(Collective("all-to-all", ("stage",), shards if zero == 3 else st["blocks"]))
             out.append(Collective("all-to-all", ("stage",), shards if zero >= 1 else st["blocks"]))
-        elif par.virtual_stages > 1:
-            # The step reorders the block parameters into pipeline order and their gradients back
-            # (GSPMD places an all-to-all over stage each way).
-            out.append(Collective("all-to-all", ("stage",), st["blocks"], 2))
     if d > 1 and zero in (1, 2) and st["sharded"]:
         out.append(Collective("all-gather", ("data",), st["sharded"]))  # the updated parameters
     if t > 1:

@@ -278,7 +278,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # F stashes what B needs (the chunk's saved activations, less its parameters, and the
         # slot for the head's cotangent); with a split table, I writes each weight matmul's
         # input and output cotangent for W into that slot, over what it consumed, and what does
-        # not fit into the wstash (`buffers.pack`: with remat `none` everything fits).
+        # not fit into the wstash (`pipeline.stash.pack`: with remat `none` everything fits).
         f = moe_costs.moe_fraction(chunk)  # (per layer: a mixed model's mean of both kinds)
         width = (_tap_width(m, t, mlp=False) + f * moe_costs.tap_width(m, t, moe_costs.routes_sequence_shard(cfg, t))
                  + (1 - f) * (_tap_width(m, t) - _tap_width(m, t, mlp=False)))
