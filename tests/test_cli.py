@@ -135,6 +135,17 @@ def test_short_data_file_returns_2(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["short.bin"]
 
 
+def test_document_mask_on_a_plain_token_file_returns_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _write_tokens(tmp_path / "tokens.bin", np.arange(200) % 64)
+    assert main(_sets("data.source=tokens.bin", "data.document_mask=true", "model.seq_len=16", "model.vocab_size=64",
+                      f"train.run_dir={tmp_path / 'run'}")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1, err
+    assert "no record of where its documents end" in err and "set data.document_mask=false" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.bin"]
+
+
 def test_error_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["--config", "a/rather/long/path/to/a/config/file/that/does/not/exist.yaml"]) == 2

@@ -485,6 +485,17 @@ def test_synthetic_source_is_the_default():
     assert isinstance(make_source(load_config()), SyntheticSource)
 
 
+def test_document_mask_is_off_by_default_and_set_by_an_override(tmp_path):
+    assert load_config().data.document_mask is False and not make_source(load_config()).documents
+    cfg = load_config(None, ["data.document_mask=true"])
+    assert cfg.data.document_mask is True and make_source(cfg).documents
+    path = tmp_path / "t.bin"
+    np.arange(200, dtype=np.uint16).tofile(path)
+    with pytest.raises(DataError) as err:
+        make_source(load_config(None, [f"data.source={path}", "data.document_mask=true", "model.vocab_size=256"]))
+    _assert_clear(err, str(path), "data.document_mask", "EOS")
+
+
 def test_token_file_serves_windows(tmp_path):
     path = tmp_path / "t.bin"
     tokens = np.random.default_rng().integers(0, 64, size=200).astype(np.uint16)

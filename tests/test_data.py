@@ -11,8 +11,8 @@ import pytest
 from jaxpar.data import prepare
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import NamedSharding, compute_rules
-from jaxpar.train.data import (DataError, SyntheticSource, TokenFileSource, batch_at, eval_batches, make_eval_source,
-                               make_source)
+from jaxpar.train.data import (DataError, SyntheticSource, TokenFileSource, batch_at, document_eos, eval_batches,
+                               make_eval_source, make_source)
 
 
 def batch_sharding(cfg, data, model=1):
@@ -175,3 +175,76 @@ def test_eval_needs_a_val_split_large_enough(tiny, tmp_path):
     plain = tiny(data={"source": os.path.join(ds, "train.bin")})
     with pytest.raises(DataError, match="single token file with no validation split"):
         make_eval_source(plain)
+
+
+# --------------------------------------------------------------------------------------------
+# data.document_mask: where documents end (`document_eos`) and synthetic rows that pack documents
+
+
+def test_synthetic_documents_end_at_eos_only(tiny):
+    cfg = tiny(data={"document_mask": True})  # vocab_size 64, seq_len 16
+    assert document_eos(cfg) == 63 and document_eos(tiny()) is None
+    src = make_source(cfg)
+    rows = src.rows(0, range(256))
+    assert rows.shape == (256, 17) and rows.dtype == np.int32 and rows.min() >= 0 and rows.max() <= 63
+    n_docs = []
+    for row in rows:
+        ends = np.flatnonzero(row == 63)
+        starts = [0, *(ends + 1)]
+        assert all(e - s >= 1 for s, e in zip(starts, ends)), row  # every document has a token before its EOS
+        for s, e in zip(starts, [*ends, len(row)]):  # inside a document: the chain, whose successors exclude EOS
+            assert all(b in src.successors[a] for a, b in zip(row[s:e - 1], row[s + 1:e])), row
+        n_docs.append(len([s for s in starts if s < len(row)]))
+    assert 3 <= np.mean(n_docs) <= 5 and np.mean([2 <= n <= 6 for n in n_docs]) > 0.9, np.bincount(n_docs)
+    assert 0 < SyntheticSource(64, 16, 0).entropy < src.entropy < np.log(64)  # a start per document costs more
+
+
+def test_synthetic_documents_are_a_function_of_seed_step_row_and_stream(tiny):
+    cfg = tiny(data={"document_mask": True})
+    src = make_source(cfg)
+    whole = src.rows(5, range(8))
+    np.testing.assert_array_equal(np.concatenate([src.rows(5, range(3)), make_source(cfg).rows(5, range(3, 8))]), whole)
+    assert not np.array_equal(src.rows(6, range(8)), whole)
+    assert not np.array_equal(make_source(cfg.replace(train={"seed": 1})).rows(5, range(8)), whole)
+    val = make_eval_source(cfg)
+    assert val.documents and not np.array_equal(val.rows(5, range(8)), whole)
+    # Without document_mask, the rows are the plain chain's, whose successors include id 63.
+    plain = make_source(tiny())
+    assert not plain.documents and not np.array_equal(plain.rows(5, range(8)), whole)
+
+
+def test_document_eos_of_a_prepared_directory_is_its_tokenizers(tiny, tmp_path):
+    from test_prepare import _word_tokenizer
+
+    (tmp_path / "a.txt").write_text("alpha beta gamma\n" * 200)
+    (tmp_path / "b.txt").write_text("delta epsilon\n" * 200)
+    tok = _word_tokenizer(tmp_path, ["alpha beta gamma delta epsilon"])  # "</s>" is id 1
+    prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], str(tmp_path / "ds"), tok, val_fraction=0)
+    cfg = tiny(data={"source": str(tmp_path / "ds"), "document_mask": True})
+    assert document_eos(cfg) == 1
+    assert document_eos(cfg.replace(data={"document_mask": False})) is None
+    make_source(cfg)  # accepted
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    del meta["eos_id"]  # a dataset from before meta.json recorded it: no EOS known
+    (tmp_path / "ds" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="eos_id null"):
+        document_eos(cfg)
+
+
+def test_document_mask_refuses_data_without_document_ends(tiny, tmp_path):
+    ds, _ = _prepared(tmp_path)  # byte tokenizer: documents separated by a blank line
+    cfg = tiny(model={"vocab_size": 256}, data={"source": ds, "document_mask": True})
+    for make in (document_eos, make_source):
+        with pytest.raises(DataError) as e:
+            make(cfg)
+        msg = str(e.value)
+        assert msg.count(". ") == 0 and msg.endswith(".") and "eos_id null" in msg and "byte" in msg, msg
+        assert "tokenizer.json that has an EOS token, or set data.document_mask=false" in msg, msg
+    make_source(cfg.replace(data={"document_mask": False}))  # the same data without it: accepted
+    plain = cfg.replace(data={"source": os.path.join(ds, "train.bin")})
+    for make in (document_eos, make_source):
+        with pytest.raises(DataError, match=r"plain token file with no record of where its documents end; prepare "
+                                            r"the text with `python -m jaxpar.data prepare --tokenizer"):
+            make(plain)
+    with pytest.raises(DataError, match="does not exist"):  # a missing file is named as missing first
+        make_source(plain.replace(data={"source": str(tmp_path / "missing.bin")}))

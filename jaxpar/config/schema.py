@@ -334,6 +334,12 @@ class DataConfig:
     directory written by `python -m jaxpar.data prepare` (its train split; its val split for eval)."""
     dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of a token file."""
+    document_mask: bool = False
+    """Attention stays inside each document of a packed sequence, and positions restart at each
+    document's start. A document ends at (and includes) the EOS id: a prepared directory's
+    tokenizer EOS (meta.json `eos_id`), id vocab_size - 1 for `synthetic` (whose rows then pack
+    documents of random lengths); a plain token file, or a directory prepared without an EOS
+    (`byte`), has no document ends and is refused (`jaxpar.train.data.document_eos`)."""
 
 
 @dataclasses.dataclass(frozen=True)

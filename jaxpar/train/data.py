@@ -19,7 +19,7 @@ from jaxpar.config import Config
 from jaxpar.data import DataError, read_meta, refuse_text
 
 __all__ = ["DataError", "SyntheticSource", "TokenFileSource", "EvalWindows", "make_source", "make_eval_source",
-           "batch_at", "eval_batches"]
+           "document_eos", "batch_at", "eval_batches"]
 
 EVAL_STREAM = 0xE7A1
 """Tags the synthetic language's validation rows: the same chain, an independent stream of draws."""
@@ -33,23 +33,55 @@ def _row_rng(seed: int, step: int, row: int, stream: int | None = None) -> np.ra
 class SyntheticSource:
     """A seeded first-order Markov language: each token has 4 successors with probabilities
     0.6 / 0.25 / 0.1 / 0.05, so the best possible loss is the chain's entropy rate (~1.03 nats),
-    far below the log(vocab) of a model that has learned nothing."""
+    far below the log(vocab) of a model that has learned nothing.
+
+    With `documents` (data.document_mask), each row packs documents: each starts at a uniform id,
+    follows the chain (whose successors are then drawn from ids below vocab_size - 1) for a
+    geometric number of tokens and ends with EOS = vocab_size - 1, the only place EOS appears.
+    A row starts at a document start; documents average about seq_len / 3 tokens with their EOS,
+    so a row holds parts of about 4."""
 
     PROBS = np.array([0.6, 0.25, 0.1, 0.05])
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int, stream: int | None = None):
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, stream: int | None = None,
+                 documents: bool = False):
         # `stream` (EVAL_STREAM for validation) draws other rows from the same chain.
-        self.seq_len, self.seed, self.stream = seq_len, seed, stream
+        self.seq_len, self.seed, self.stream, self.documents = seq_len, seed, stream, documents
+        self.vocab_size = vocab_size
         table_rng = np.random.default_rng([seed, 0x5EED])
-        self.successors = table_rng.integers(0, vocab_size, size=(vocab_size, len(self.PROBS)))
+        ids = vocab_size - 1 if documents else vocab_size  # with documents, EOS is no successor
+        self.successors = table_rng.integers(0, ids, size=(vocab_size, len(self.PROBS)))
+
+    @property
+    def eos(self) -> int | None:
+        """The id that ends each document (with `documents`), else None."""
+        return self.vocab_size - 1 if self.documents else None
+
+    @property
+    def end_probability(self) -> float:
+        """With `documents`: the chance that a document's token is its last before EOS (a
+        document holds a geometric number >= 1 of them, mean max(seq_len / 3, 2) - 1)."""
+        return 1.0 / (max(self.seq_len / 3, 2.0) - 1.0)
 
     @property
     def entropy(self) -> float:
-        """Entropy rate in nats per token: the loss of a perfect model."""
-        return float(-(self.PROBS * np.log(self.PROBS)).sum())
+        """Entropy rate in nats per token: the loss of a perfect model. With `documents`, the
+        long-run rate of the packed stream: after a document's token, EOS or the chain (a binary
+        choice of end_probability, then the chain's entropy), after EOS a uniform start
+        (log(vocab_size - 1)); a row's first document starting at position 0 moves a row's
+        expected loss slightly off it."""
+        chain = float(-(self.PROBS * np.log(self.PROBS)).sum())
+        if not self.documents:
+            return chain
+        p = self.end_probability
+        binary = 0.0 if p >= 1 else float(-p * np.log(p) - (1 - p) * np.log(1 - p))
+        mean_tokens = 1 / p  # a document's tokens before its EOS: each one's successor is a choice
+        return (mean_tokens * (binary + (1 - p) * chain) + np.log(self.vocab_size - 1)) / (mean_tokens + 1)
 
     def rows(self, step: int, rows: range) -> np.ndarray:
         """Token windows [len(rows), seq_len + 1] of step `step` (inputs and shifted targets)."""
+        if self.documents:
+            return self._document_rows(step, rows)
         n = self.seq_len + 1
         starts = np.empty(len(rows), np.int64)
         choices = np.empty((len(rows), n - 1), np.int64)
@@ -61,6 +93,25 @@ class SyntheticSource:
         out[:, 0] = starts
         for t in range(1, n):
             out[:, t] = self.successors[out[:, t - 1], choices[:, t - 1]]
+        return out
+
+    def _document_rows(self, step: int, rows: range) -> np.ndarray:
+        n, eos = self.seq_len + 1, self.eos
+        fresh = np.empty((len(rows), n), np.int64)  # the id a document starting at t starts with
+        choices = np.empty((len(rows), n), np.int64)
+        ends = np.zeros((len(rows), n), bool)  # EOS at t
+        for i, r in enumerate(rows):
+            rng = _row_rng(self.seed, step, r, self.stream)
+            fresh[i] = rng.integers(0, eos, size=n)
+            choices[i] = rng.choice(len(self.PROBS), size=n, p=self.PROBS)
+            lengths = rng.geometric(self.end_probability, size=n // 2 + 1) + 1  # tokens with the EOS
+            at = np.cumsum(lengths) - 1
+            ends[i, at[at < n]] = True
+        out = np.empty((len(rows), n), np.int32)
+        out[:, 0] = fresh[:, 0]
+        for t in range(1, n):
+            chain = self.successors[out[:, t - 1], choices[:, t]]
+            out[:, t] = np.where(ends[:, t], eos, np.where(ends[:, t - 1], fresh[:, t], chain))
         return out
 
 
@@ -155,21 +206,51 @@ def _prepared_meta(cfg: Config) -> dict:
     return meta
 
 
+def document_eos(cfg: Config) -> int | None:
+    """The id that ends each document under data.document_mask (None without it): `synthetic`'s
+    vocab_size - 1, a prepared directory's tokenizer EOS (meta.json `eos_id`). Data with no record
+    of where its documents end (a plain token file; a directory prepared without an EOS, whose
+    documents are separated by a blank line) is refused with a DataError, before compiling."""
+    if not cfg.data.document_mask:
+        return None
+    src = cfg.data.source
+    if src == "synthetic":
+        return cfg.model.vocab_size - 1
+    if not os.path.isdir(src):
+        raise DataError(f"data.document_mask is true, but data.source = {src!r} is a plain token file with no "
+                        "record of where its documents end; prepare the text with `python -m jaxpar.data prepare "
+                        "--tokenizer TOKENIZER.json` (a tokenizer with an EOS token, which ends every document) and "
+                        "set data.source to that directory, or set data.document_mask=false.")
+    meta = read_meta(src)
+    eos = meta.get("eos_id")  # a directory of an older format without the key: no EOS recorded
+    if eos is None:
+        raise DataError(f"data.document_mask is true, but data directory {src!r} has eos_id null in its meta.json "
+                        f"(its tokenizer, {meta.get('tokenizer')}, has no EOS token, so its documents are separated "
+                        "by a blank line, not an id that ends them); prepare it again with `--tokenizer` a "
+                        "tokenizer.json that has an EOS token, or set data.document_mask=false.")
+    return int(eos)
+
+
 def make_source(cfg: Config) -> SyntheticSource | TokenFileSource:
     """The configured training source, with every check that can fail done now (before compiling).
 
     A prepared directory gives its train split, in the dtype its meta.json records (data.dtype is
-    then ignored); its vocab_size must not exceed model.vocab_size.
+    then ignored); its vocab_size must not exceed model.vocab_size. With data.document_mask, the
+    data must record where its documents end (`document_eos`); `synthetic` then packs documents.
     """
     m = cfg.model
     if cfg.data.source == "synthetic":
-        return SyntheticSource(m.vocab_size, m.seq_len, cfg.train.seed)
+        return SyntheticSource(m.vocab_size, m.seq_len, cfg.train.seed, documents=document_eos(cfg) is not None)
     if os.path.isdir(cfg.data.source):
         meta = _prepared_meta(cfg)
         path = os.path.join(cfg.data.source, meta["train"]["file"])
         mask = meta["train"].get("mask_file")
-        return TokenFileSource(path, meta["dtype"], m.vocab_size, m.seq_len, cfg.train.seed, check_ids=False,
-                               mask_path=None if mask is None else os.path.join(cfg.data.source, mask))
+        source = TokenFileSource(path, meta["dtype"], m.vocab_size, m.seq_len, cfg.train.seed, check_ids=False,
+                                 mask_path=None if mask is None else os.path.join(cfg.data.source, mask))
+        document_eos(cfg)  # after the directory's own checks
+        return source
+    if os.path.isfile(cfg.data.source):  # a missing file is named as missing; an existing one is not scanned first
+        document_eos(cfg)
     return TokenFileSource(cfg.data.source, cfg.data.dtype, m.vocab_size, m.seq_len, cfg.train.seed)
 
 
@@ -183,7 +264,8 @@ def make_eval_source(cfg: Config) -> SyntheticSource | EvalWindows:
     """
     m, tr, src = cfg.model, cfg.train, cfg.data.source
     if src == "synthetic":
-        return SyntheticSource(m.vocab_size, m.seq_len, tr.seed, stream=EVAL_STREAM)
+        return SyntheticSource(m.vocab_size, m.seq_len, tr.seed, stream=EVAL_STREAM,
+                               documents=document_eos(cfg) is not None)
     if not os.path.isdir(src):
         raise DataError(f"data.source = {src!r} is a single token file with no validation split, so evaluation "
                         f"(train.eval_every = {tr.eval_every}) has nothing to use; prepare a train/val directory "
