@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -371,6 +372,95 @@ def test_yarn_rope_matches_transformers(tmp_path):
     assert torch.equal(back, torch.tensor(want)), "transformers must compute the same logits from the export"
     again = hf.config_from_hf(str(out), seq_len=YARN_SEQ)
     assert again == cfg, "the export reads back as the same model section"
+
+
+# Context extension (Llama 3 / Qwen long-context continued pretraining): the llama folder, trained at
+# max_position_embeddings = 32, loads into a longer model.seq_len, with the folder's RoPE or, past
+# those 32 positions only, the run's own; gpt2's learned positions cannot be extended.
+LONG = 64
+
+
+def test_context_extension_keeps_the_function_on_the_trained_prefix(folders):
+    """The llama folder loads into seq_len 64: its logits on the first 32 tokens are those of the
+    seq_len-32 load, and on all 64 transformers' own (which rotates any position)."""
+    folder = folders["llama"]
+    short, long = hf.config_from_hf(folder), hf.config_from_hf(folder, seq_len=LONG)
+    assert hf.trained_length(folder) == short.seq_len == 32 and long == dataclasses.replace(short, seq_len=LONG)
+    ids = np.random.default_rng(5).integers(0, VOCAB, (2, LONG))
+    logits = {}
+    for cfg in (short, long):
+        params = hf.load_params(folder, Config(model=cfg), _one_device(cfg))
+        logits[cfg.seq_len] = np.asarray(jax.jit(lambda p, t, c=cfg: model.apply(c, p, t))(params, ids[:, :cfg.seq_len]))
+    diff = float(np.abs(logits[LONG][:, :32] - logits[32]).max())
+    assert diff < 1e-5, f"the seq_len-64 load differs from the seq_len-32 one on the first 32 tokens by {diff}"
+    with torch.no_grad():
+        want = _torch_model(folder)(torch.tensor(ids)).logits.numpy()
+    diff = float(np.abs(logits[LONG][..., :VOCAB] - want).max())
+    assert diff < 1e-4, f"logits differ from transformers by {diff}"
+
+
+EXTENDED_ROPE = {"theta": {"rope_theta": 2e6},
+                 "yarn": {"rope_scaling": "yarn", "rope_factor": 2.0, "rope_original_context": 32},
+                 "linear": {"rope_scaling": "linear", "rope_factor": 2.0},
+                 "llama3": {"rope_scaling": "llama3", "rope_factor": 2.0, "rope_original_context": 32}}
+
+
+def test_context_extension_may_change_rope_only_past_the_trained_length(folders):
+    """Longer than the folder's 32 positions, the run may raise rope_theta or add a RoPE scaling;
+    at 32, a RoPE change alters the trained function and is refused as before, and other settings
+    are compared when extending too."""
+    folder = folders["llama"]
+    for rope in EXTENDED_ROPE.values():
+        cfg = dataclasses.replace(hf.config_from_hf(folder, seq_len=LONG), **rope)
+        assert hf.check_matches(cfg, folder) == hf.config_from_hf(folder)
+    # The Llama 3.1 folder: its own scaling keys may change too.
+    cfg = dataclasses.replace(hf.config_from_hf(folders["llama3"], seq_len=LONG), rope_factor=16.0, rope_theta=1e6)
+    assert hf.check_matches(cfg, folders["llama3"]) == hf.config_from_hf(folders["llama3"])
+    path = re.escape(repr(os.path.join(folder, "config.json")))
+    with pytest.raises(hf.HFError, match=rf"^1 setting of the model section differs from {path}: model.rope_theta = "
+                                         r"2000000.0 \(folder: 500000.0\); set it to the folder's value"):
+        hf.check_matches(dataclasses.replace(hf.config_from_hf(folder), rope_theta=2e6), folder)
+    with pytest.raises(hf.HFError, match=r": model.rope_factor = 16.0 \(folder: 8.0\);"):
+        hf.check_matches(dataclasses.replace(hf.config_from_hf(folders["llama3"]), rope_factor=16.0), folders["llama3"])
+    with pytest.raises(hf.HFError, match=r"^1 setting .*: model.d_ff = 128 \(folder: 96\);"):
+        hf.check_matches(dataclasses.replace(hf.config_from_hf(folder, seq_len=LONG), rope_theta=2e6, d_ff=128), folder)
+
+
+def test_gpt2_learned_positions_are_not_extended(folders):
+    """gpt2's wpe holds 32 positions: seq_len 64 is refused in one sentence naming the value, the
+    rule and the fix, by check_matches (before compiling) and by config_from_hf (convert --seq-len)."""
+    folder = folders["gpt2"]
+    path = re.escape(repr(os.path.join(folder, "config.json")))
+    sentence = (rf"^seq_len = 64 exceeds the 32 positions of {path}, and gpt2's learned position embedding \(wpe\) "
+                r"covers only those 32; keep model.seq_len <= 32\.$")
+    with pytest.raises(hf.HFError, match=sentence):
+        hf.check_matches(dataclasses.replace(hf.config_from_hf(folder), seq_len=LONG), folder)
+    with pytest.raises(hf.HFError, match=sentence):
+        hf.config_from_hf(folder, seq_len=LONG)
+
+
+@pytest.mark.parametrize("rope", ["theta", "yarn"])
+def test_context_extended_export_writes_the_runs_length_and_rope(rope, folders, tmp_path):
+    """Exported, a model extended to seq_len 64 writes max_position_embeddings = 64 and the run's
+    RoPE; it reads back as the same model section, and transformers computes jaxpar's logits."""
+    folder = folders["llama"]
+    cfg = dataclasses.replace(hf.config_from_hf(folder, seq_len=LONG), **EXTENDED_ROPE[rope])
+    params = hf.load_params(folder, cfg, _one_device(cfg))
+    out = tmp_path / "out"
+    hf.save_params(params, cfg, str(out))
+    with open(out / "config.json") as f:
+        written = json.load(f)
+    assert written["max_position_embeddings"] == LONG
+    assert written["rope_theta"] == (2e6 if rope == "theta" else 5e5)
+    assert _rope_keys(out) == ({} if rope == "theta" else
+                               {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32})
+    assert hf.config_from_hf(str(out)) == cfg, "the export reads back as the same model section"
+    ids = np.random.default_rng(6).integers(0, VOCAB, (2, LONG))
+    logits = np.asarray(jax.jit(lambda p, t: model.apply(cfg, p, t))(params, ids))
+    with torch.no_grad():
+        want = _torch_model(str(out))(torch.tensor(ids)).logits.numpy()
+    diff = float(np.abs(logits[..., :VOCAB] - want).max())
+    assert diff < 1e-4, f"logits differ from transformers by {diff}"
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -13,11 +13,11 @@ Every name is re-exported here: `jaxpar.hf.config_from_hf`, `jaxpar.hf.load_para
 
 from jaxpar.hf.common import TOKENIZER_FILES, Entry, HFError, publish, refuse, tokenizer_files
 from jaxpar.hf.config import (LLAMA_FAMILIES, LLAMA_SEQ_CAP, check_matches, config_from_hf, hf_config,
-                              read_hf_config)
+                              read_hf_config, trained_length)
 from jaxpar.hf.tensors import (INDEX, MAX_SHARD_BYTES, SINGLE, Getter, _gpt2_prefix, _leaf, _normalize, entries,
                                from_tensors, load_params, read_leaf, save_params, to_tensors)
 
 __all__ = ["INDEX", "LLAMA_FAMILIES", "LLAMA_SEQ_CAP", "MAX_SHARD_BYTES", "SINGLE", "TOKENIZER_FILES", "Entry",
            "Getter", "HFError", "check_matches", "config_from_hf", "entries", "from_tensors", "hf_config",
            "load_params", "publish", "read_hf_config", "read_leaf", "refuse", "save_params", "to_tensors",
-           "tokenizer_files"]
+           "tokenizer_files", "trained_length"]

@@ -18,6 +18,8 @@ from jaxpar.hf.common import HFError, refuse
 # Context length given to an imported llama when config.json allows more: a training default the
 # user lowers or raises with model.seq_len; RoPE has no parameters, so nothing depends on it.
 LLAMA_SEQ_CAP = 4096
+# transformers' max_position_embeddings of a llama config.json without the key.
+LLAMA_POSITIONS = 2048
 
 
 def read_hf_config(folder: str) -> dict[str, Any]:
@@ -59,8 +61,9 @@ LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: int = 64) -> ModelConfig:
     """jaxpar's ModelConfig for a Hugging Face `llama` or `gpt2` folder.
 
-    `seq_len` (default: the folder's maximum, capped at 4096 for llama) may not exceed the maximum
-    position of config.json. The vocabulary is padded to a multiple of `vocab_multiple` (64: a
+    `seq_len` (default: the folder's maximum, capped at 4096 for llama) may exceed the llama
+    families' max_position_embeddings (context extension: RoPE has no position parameters), not
+    gpt2's learned positions. The vocabulary is padded to a multiple of `vocab_multiple` (64: a
     multiple of any power-of-two tensor-parallel size up to 64; 50257 -> 50304).
     """
     hf = read_hf_config(folder)
@@ -111,7 +114,7 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
                 "jaxpar's llama architecture has biases only on q, k and v (qwen2), none on the output "
                 "projection or the MLP")
         head_dim = i("head_dim", d // n)
-        max_pos = i("max_position_embeddings", 2048)
+        max_pos = i("max_position_embeddings", LLAMA_POSITIONS)
         fields = dict(n_layers=i("num_hidden_layers"), d_model=d, n_heads=n, n_kv_heads=i("num_key_value_heads", n),
                       d_ff=i("intermediate_size"), norm_eps=f("rms_norm_eps", 1e-6),
                       rope_theta=f("rope_theta", 10000.0), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -149,8 +152,9 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
         fields = dict(n_layers=i("n_layer"), d_model=d, n_heads=i("n_head"), n_kv_heads=None,
                       d_ff=i("n_inner", 4 * d), norm_eps=f("layer_norm_epsilon", 1e-5))
         default_len = max_pos
-    if seq_len is not None and seq_len > max_pos:
-        raise HFError(f"seq_len = {seq_len} exceeds the {max_pos} positions of {path!r}; choose seq_len <= {max_pos}.")
+        if seq_len is not None and seq_len > max_pos:
+            raise HFError(f"seq_len = {seq_len} exceeds the {max_pos} positions of {path!r}, and gpt2's learned "
+                          f"position embedding (wpe) covers only those {max_pos}; keep model.seq_len <= {max_pos}.")
     if "initializer_range" in hf:
         fields["init_std"] = f("initializer_range", 0.02)
     cfg = ModelConfig(arch="gpt2" if arch == "gpt2" else "llama", vocab_size=i("vocab_size"), vocab_multiple=vocab_multiple,
@@ -259,19 +263,34 @@ _ROPE_KEYS = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "
                        "rope_truncate", "rope_attention_factor")}
 
 
+def trained_length(folder: str) -> int:
+    """The context length a folder's model was trained at: config.json's max_position_embeddings
+    (gpt2: n_positions)."""
+    hf = read_hf_config(folder)
+    if hf.get("model_type") == "gpt2":
+        return hf.get("n_positions") or hf.get("max_position_embeddings") or 1024
+    return hf.get("max_position_embeddings") or LLAMA_POSITIONS
+
+
 def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
     """The folder's ModelConfig, after checking that `cfg` describes the same function (shapes,
-    norm epsilon, RoPE base and scaling, tie, q/k/v biases and norms; seq_len within the folder's
-    positions); raises one HFError listing every setting that differs otherwise.
+    norm epsilon, RoPE base and scaling, tie, q/k/v biases and norms; a gpt2 seq_len within the
+    folder's learned positions); raises one HFError listing every setting that differs otherwise.
+
+    Context extension: a llama-architecture `cfg` may have a longer seq_len than the folder's
+    max_position_embeddings (`trained_length`), and then its own RoPE settings (a larger
+    rope_theta, a linear, llama3 or yarn scaling), which the continued training adapts to. At or
+    below the folder's length a RoPE change would silently alter the trained function: refused.
 
     A derived value (the head width, KV heads, tie, expert width) is listed only if it still
     differs once the settings it derives from take the folder's values: d_model = 128 against 64
     is one difference, not also a head_dim one."""
     hf_cfg = config_from_hf(folder)
     path = os.path.join(folder, "config.json")
+    extending = cfg.arch == hf_cfg.arch == "llama" and cfg.seq_len > trained_length(folder)
 
     def compared(key: str) -> bool:
-        if key.startswith("rope") and (cfg.arch != "llama" or key not in _ROPE_KEYS[hf_cfg.rope_scaling]):
+        if key.startswith("rope") and (cfg.arch != "llama" or extending or key not in _ROPE_KEYS[hf_cfg.rope_scaling]):
             return False
         if key == "d_ff" and hf_cfg.moe and not hf_cfg.mixed:  # every MLP is MoE: d_ff is unused
             return False
@@ -297,7 +316,7 @@ def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
                 diffs[name] = getattr(cfg, key), getattr(hf_cfg, key)
     seq_ok = True
     try:
-        config_from_hf(folder, seq_len=cfg.seq_len)  # raises if seq_len exceeds the positions
+        config_from_hf(folder, seq_len=cfg.seq_len)  # raises past gpt2's positions or a sliding window
     except HFError:
         if not diffs or cfg.seq_len <= hf_cfg.seq_len:  # alone, or another problem: its own sentence
             raise
