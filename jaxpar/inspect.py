@@ -187,33 +187,7 @@ def parse_hlo(hlo_text: str, mesh, device_order: Sequence | None = None) -> tupl
     comps, entry = _split_computations(hlo_text)
     coords = _coords(mesh, device_order)
     names = tuple(mesh.axis_names)
-    # Calls between computations: callee -> [(caller, factor, known, loop)].
-    callers: dict[str, list[tuple[str, int, bool, bool]]] = {}
-    for comp, lines in comps.items():
-        for _, rest in lines:
-            for callee, factor, known, loop in _calls(rest):
-                callers.setdefault(callee, []).append((comp, factor, known, loop))
-    roots = {entry} if entry else {c for c in comps if c not in callers}
-    memo: dict[str, tuple[int, bool, bool, bool]] = {}
-
-    def runs(comp: str) -> tuple[int, bool, bool, bool]:
-        """(runs per call summed over call paths from a root, some path is in a loop, every trip
-        count on the way is known, reachable at all)."""
-        if comp in memo:
-            return memo[comp]
-        if comp in roots:
-            memo[comp] = (1, False, True, True)
-            return memo[comp]
-        total, in_loop, known, reached = 0, False, True, False
-        for caller, factor, trip_known, loop in callers.get(comp, ()):
-            n, caller_in_loop, caller_known, caller_reached = runs(caller)
-            if caller_reached:
-                total += n * factor
-                in_loop = in_loop or caller_in_loop or loop
-                known = known and trip_known and caller_known
-                reached = True
-        memo[comp] = (total, in_loop, known, reached)
-        return memo[comp]
+    runs = _runs(comps, entry)
 
     out = []
     for comp, lines in comps.items():
@@ -237,6 +211,71 @@ def parse_hlo(hlo_text: str, mesh, device_order: Sequence | None = None) -> tupl
             out.append(Collective(kind, axes, _bytes(done_shapes.get(name, shape)), in_loop,
                                   executions, op.group(1) if op else "", known, name, comp))
     return tuple(out)
+
+
+def _runs(comps: dict[str, list[tuple[str, str]]], entry: str | None):
+    """`runs(computation) -> (runs per call of the program summed over call paths from the entry,
+    some path is in a loop, every trip count on the way is known, reachable at all)`."""
+    # Calls between computations: callee -> [(caller, factor, known, loop)].
+    callers: dict[str, list[tuple[str, int, bool, bool]]] = {}
+    for comp, lines in comps.items():
+        for _, rest in lines:
+            for callee, factor, known, loop in _calls(rest):
+                callers.setdefault(callee, []).append((comp, factor, known, loop))
+    roots = {entry} if entry else {c for c in comps if c not in callers}
+    memo: dict[str, tuple[int, bool, bool, bool]] = {}
+
+    def runs(comp: str) -> tuple[int, bool, bool, bool]:
+        if comp in memo:
+            return memo[comp]
+        if comp in roots:
+            memo[comp] = (1, False, True, True)
+            return memo[comp]
+        memo[comp] = (0, False, True, False)  # (no recursion through a computation being counted)
+        total, in_loop, known, reached = 0, False, True, False
+        for caller, factor, trip_known, loop in callers.get(comp, ()):
+            n, caller_in_loop, caller_known, caller_reached = runs(caller)
+            if caller_reached:
+                total += n * factor
+                in_loop = in_loop or caller_in_loop or loop
+                known = known and trip_known and caller_known
+                reached = True
+        memo[comp] = (total, in_loop, known, reached)
+        return memo[comp]
+
+    return runs
+
+
+def dot_flops(hlo_text: str) -> tuple[int, bool]:
+    """(FLOPs of every dot of an HLO module's text per call of the program, 2 × the output's
+    elements × the contracted size, each dot counted as often as it runs: loop bodies times their
+    trip counts, which `compiled.cost_analysis()` counts once; whether every trip count was known).
+    The matmul work of a program whose loops XLA keeps, e.g. a tiled attention's scan over tiles."""
+    comps, entry = _split_computations(hlo_text)
+    runs = _runs(comps, entry)
+    total, all_known = 0, True
+    for comp, lines in comps.items():
+        shapes = {name: _shape_and_opcode(rest)[0] for name, rest in lines}
+        for name, rest in lines:
+            shape, opcode = _shape_and_opcode(rest)
+            if opcode != "dot":
+                continue
+            n, _, known, reached = runs(comp)
+            if not reached:
+                continue
+            lhs = _operands(rest)[0]
+            lhs_dims = _dims(shapes.get(lhs, ""))
+            contracting = re.search(r"lhs_contracting_dims=\{([^}]*)\}", rest)
+            k = math.prod(lhs_dims[int(i)] for i in _ints(contracting.group(1))) if contracting else 1
+            total += 2 * math.prod(_dims(shape)) * k * n
+            all_known = all_known and known
+    return total, all_known
+
+
+def _dims(shape: str) -> list[int]:
+    """The dimensions of an array shape such as 'f32[4,64]{1,0}'."""
+    m = _SHAPE.search(shape)
+    return [int(d.lstrip("<=")) for d in m.group(2).split(",") if d.strip()] if m else []
 
 
 def device_traffic(hlo_text: str, mesh, device_order: Sequence | None = None) -> tuple[np.ndarray, np.ndarray]:

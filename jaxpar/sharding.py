@@ -490,13 +490,14 @@ def local_kv_heads(kv_BxTxKxH: jax.Array) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(kv_BxTxKxH, head, 1, axis=2)
 
 
-def local_seq(x_TxD: jax.Array) -> jax.Array:
-    """This rank's rows of a per-position table under sequence parallelism (else all of them)."""
+def local_seq(x_TxD: jax.Array, axis: int = 0) -> jax.Array:
+    """This rank's rows (along the sequence dim `axis`) of a per-position table under sequence
+    parallelism (else all of them)."""
     tp = _tp()
     if tp is None or not tp.sequence_parallel:
         return x_TxD
-    n = x_TxD.shape[0] // tp.t
-    return jax.lax.dynamic_slice_in_dim(x_TxD, jax.lax.axis_index(tp.axis) * n, n, axis=0)
+    n = x_TxD.shape[axis] // tp.t
+    return jax.lax.dynamic_slice_in_dim(x_TxD, jax.lax.axis_index(tp.axis) * n, n, axis=axis)
 
 
 def embed_lookup(table_VxD: jax.Array, ids_BxT: jax.Array) -> jax.Array:

@@ -109,11 +109,12 @@ def test_a_token_file_is_not_taken_for_text(tmp_path, dtype, vocab):
 # 3. model.init_from: every mismatch at once
 
 
-def _hf_folder(tmp_path) -> str:
+def _hf_folder(tmp_path, *extra: str) -> str:
     folder = tmp_path / "hf"
     folder.mkdir()
-    mcfg = load_config(None, ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
-                              "model.d_ff=96", "model.vocab_size=256", "model.seq_len=32"]).model
+    base = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.d_ff=96", "model.vocab_size=256",
+            "model.seq_len=32"]
+    mcfg = load_config(None, [*base, *(extra or ("model.n_kv_heads=2",))]).model
     (folder / "config.json").write_text(json.dumps(hf.hf_config(mcfg)))
     return str(folder)
 
@@ -136,14 +137,16 @@ def test_init_from_reports_every_mismatch_at_once(tmp_path):
 
 
 def test_init_from_lists_seq_len_beside_the_others(tmp_path):
-    folder = _hf_folder(tmp_path)
-    cfg = load_config(None, ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=1",
-                             "model.d_ff=96", "model.vocab_size=256", "model.seq_len=64"]).model
+    """gpt2's learned positions cover only the folder's: a longer seq_len is a difference (a RoPE
+    model's is a context extension, tests/test_hf.py)."""
+    folder = _hf_folder(tmp_path, "model.arch=gpt2")
+    cfg = load_config(None, ["model.arch=gpt2", "model.n_layers=2", "model.d_model=64", "model.n_heads=4",
+                             "model.d_ff=96", "model.vocab_size=128", "model.seq_len=64"]).model
     with pytest.raises(hf.HFError) as err:
         hf.check_matches(cfg, folder)
     msg = str(err.value)
     assert msg.startswith("2 settings"), msg
-    assert "model.n_kv_heads = 1 (folder: 2)" in msg and "model.seq_len = 64 (folder: at most 32)" in msg, msg
+    assert "model.vocab_size = 128 (folder: 256)" in msg and "model.seq_len = 64 (folder: at most 32)" in msg, msg
 
 
 def test_init_from_one_mismatch_is_singular(tmp_path):

@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
+from jaxpar.model import tiled_attention
 from jaxpar.model.lse_attention import lse_attention, working_set_attention
 from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, exit_tp, local_kv_heads, tensor_parallel, varying_axes, vary
 
@@ -204,6 +206,63 @@ def backward_working_set():
         _WORKING_SET.reset(token)
 
 
+class Sequence(NamedTuple):
+    """How the tokens of a traced batch sit in their sequences, where that is not one whole sequence
+    per row (`sequence_layout`): packed documents (`data.document_mask`) and sequences split over
+    devices (context parallelism, `jaxpar.parallel.context`)."""
+
+    positions: jax.Array
+    """int32 [B, T]: each token's position for RoPE and learned position embeddings (in its
+    document under document masking, else in the whole sequence)."""
+    segments: jax.Array | None = None
+    """int32 [B, T]: each token's document (`document_segments`), or None: one document."""
+    attend: Callable | None = None
+    """`attend(q, k, v, cfg) -> o` replacing the attention kernel (context parallelism: the keys
+    and values of the other ranks' tokens), or None."""
+
+
+_SEQUENCE: contextvars.ContextVar[Sequence | None] = contextvars.ContextVar("jaxpar_sequence", default=None)
+
+
+def document_segments(tokens_BxT: jax.Array, eos_id: int) -> jax.Array:
+    """Each token's document in a packed sequence, int32 [B, T] counting from 0: a document ends at
+    (and includes) the token `eos_id`, the next token starts the next one (`data.document_mask`)."""
+    ends = (tokens_BxT == eos_id).astype(jnp.int32)
+    return jnp.cumsum(ends, axis=1) - ends
+
+
+def document_positions(segments_BxT: jax.Array) -> jax.Array:
+    """Each token's position in its document, int32 [B, T]: positions restart at 0 where the
+    document changes."""
+    T = segments_BxT.shape[1]
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    starts = jnp.concatenate([jnp.ones_like(segments_BxT[:, :1], bool),
+                              segments_BxT[:, 1:] != segments_BxT[:, :-1]], axis=1)
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+
+
+def packed(segments_BxT: jax.Array) -> Sequence:
+    """The layout of packed documents `segments_BxT` (`document_segments`) on one device: attention
+    inside each document, positions restarting at every document start."""
+    return Sequence(document_positions(segments_BxT), segments_BxT)
+
+
+@contextlib.contextmanager
+def sequence_layout(sequence: Sequence | None):
+    """Trace the model with the tokens laid out as `sequence` says (None: one whole sequence per
+    row, the default)."""
+    token = _SEQUENCE.set(sequence)
+    try:
+        yield
+    finally:
+        _SEQUENCE.reset(token)
+
+
+def sequence() -> Sequence | None:
+    """The layout being traced (`sequence_layout`), or None."""
+    return _SEQUENCE.get()
+
+
 def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
     """silu(g) * u, SwiGLU's gate (Shazeer, 2020), keeping only g and u for its backward: JAX's own
     derivative of `jax.nn.silu(g) * u` keeps four more [tokens, d_ff] values (sigmoid(g), silu(g)
@@ -316,10 +375,12 @@ def rope_attention_scale(cfg: ModelConfig) -> float:
     return 1.0 if cfg.rope_factor <= 1 else 0.1 * math.log(cfg.rope_factor) + 1.0
 
 
-def rope_tables(seq_len: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def rope_tables(seq_len: int | jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape [T, H/2] (float32) for rotary position embeddings, each multiplied by
-    `rope_attention_scale` (yarn's attention factor) as transformers does."""
-    angles_TxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+    `rope_attention_scale` (yarn's attention factor) as transformers does; for positions [B, T]
+    (int: packed documents), [B, T, H/2]."""
+    positions = jnp.arange(seq_len) if isinstance(seq_len, int) else seq_len
+    angles_TxH2 = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
     scale = rope_attention_scale(cfg)
     if scale == 1.0:
         return jnp.cos(angles_TxH2), jnp.sin(angles_TxH2)
@@ -327,10 +388,12 @@ def rope_tables(seq_len: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
 
 
 def apply_rope(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -> jax.Array:
-    """Rotate the two halves of each head (the GPT-NeoX / Hugging Face Llama convention)."""
+    """Rotate the two halves of each head (the GPT-NeoX / Hugging Face Llama convention); tables
+    [T, H/2], or [B, T, H/2] (per-token positions)."""
     x = x_BxTxNxH.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
-    cos, sin = cos_TxH2[None, :, None, :], sin_TxH2[None, :, None, :]
+    lead = (None,) if cos_TxH2.ndim == 2 else ()
+    cos, sin = cos_TxH2[(*lead, ..., None, slice(None))], sin_TxH2[(*lead, ..., None, slice(None))]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxTxNxH.dtype)
 
@@ -347,20 +410,36 @@ def flash_attention_applies(cfg: ModelConfig, platform: str) -> bool:
 
 def dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cfg: ModelConfig) -> jax.Array:
     """Causal attention with grouped-query heads (N a multiple of K), by `model.attention`: `xla_lse`
-    (`jaxpar.model.lse_attention`: XLA's einsums and softmax, whose backward recomputes the
-    probabilities from the saved log-sum-exp), `xla` (`jax.nn.dot_product_attention`'s reference
-    path, which keeps the [seq, seq] probabilities for the backward), `cudnn` (its fused kernel);
-    `auto` cuDNN's kernel where `flash_attention_applies` on the backend the step is traced for,
-    else `xla_lse`, and `xla_lse` also where cuDNN refuses the shapes while tracing (jax raises
-    ValueError or NotImplementedError before emitting anything)."""
-    attend = functools.partial(jax.nn.dot_product_attention, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True)
+    (XLA's einsums and softmax, whose backward recomputes the probabilities from the saved
+    log-sum-exp: `jaxpar.model.lse_attention` in causal query blocks up to `tiled_attention.BLOCK`
+    positions, `jaxpar.model.tiled_attention` tiled over keys too beyond, and on packed documents),
+    `xla` (`jax.nn.dot_product_attention`'s reference path, which keeps the [seq, seq]
+    probabilities for the backward), `cudnn` (its fused kernel); `auto` cuDNN's kernel where
+    `flash_attention_applies` on the backend the step is traced for and the sequence is one
+    document, else `xla_lse`, and `xla_lse` also where cuDNN refuses the shapes while tracing (jax
+    raises ValueError or NotImplementedError before emitting anything). Within the documents of
+    the `sequence_layout` if one is set; by its own `attend` if it has one (context parallelism)."""
+    layout = sequence()
+    if layout is not None and layout.attend is not None:
+        return layout.attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cfg)
+    segments = None if layout is None else layout.segments
     if cfg.attention in ("xla", "cudnn"):
-        return attend(implementation=cfg.attention)
-    if cfg.attention == "auto" and flash_attention_applies(cfg, jax.default_backend()):
+        mask = None
+        if segments is not None:  # (model.attention: cudnn with document masking is refused by the config)
+            mask = (segments[:, :, None] == segments[:, None, :])[:, None]  # [B, 1, T, S]
+        return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True,
+                                            implementation=cfg.attention)
+    if cfg.attention == "auto" and segments is None and flash_attention_applies(cfg, jax.default_backend()):
         try:
-            return attend(implementation="cudnn")
+            return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
+                                                implementation="cudnn")
         except (ValueError, NotImplementedError):
             pass
+    T = q_BxTxNxH.shape[1]
+    if segments is not None or tiled_attention.tile(T) < T:
+        index = jnp.arange(T, dtype=jnp.int32)
+        return tiled_attention.attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
+                                         tiled_attention.Mask(index, index, segments, segments))
     if _WORKING_SET.get():  # (the planner's trace of what a layer's backward holds)
         return working_set_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
     return lse_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
@@ -412,8 +491,9 @@ class Attention(nnx.Module):
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         dt = self.dtype
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = self.project_qkv(x_BxTxD)
-        if self.arch == "llama":  # tables for the whole sequence (constants XLA folds)
-            rope = rope_tables(x_BxTxD.shape[1], self.rope)
+        if self.arch == "llama":  # tables for the whole sequence (constants XLA folds), or per token
+            layout = sequence()
+            rope = rope_tables(x_BxTxD.shape[1] if layout is None else layout.positions, self.rope)
             q_BxTxNxH = apply_rope(q_BxTxNxH, *rope)
             k_BxTxKxH = apply_rope(k_BxTxKxH, *rope)
         q_BxTxNxH = constrain(q_BxTxNxH, ("batch", "seq", "heads", "head_dim"))

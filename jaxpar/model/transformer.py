@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.blocks import block_class
-from jaxpar.model.layers import active_split, linear, norm, param
+from jaxpar.model.layers import Sequence, active_split, linear, norm, param, sequence, sequence_layout
 from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
 
 Params = dict[str, Any]
@@ -63,15 +63,19 @@ class Transformer(nnx.Module):
         if not cfg.tied:  # else the output projection is the embedding (gpt2; tied llamas)
             self.lm_head = param(rngs, (D, V), ("embed", "vocab"), pd, std)
 
-    def __call__(self, tokens_BxT: jax.Array, *, remat: str = "none") -> jax.Array:
-        """Next-token logits [B, T, V] in float32 for int tokens [B, T] (V: the padded vocabulary)."""
-        return self.head(self.backbone(self.embed_tokens(tokens_BxT), remat=remat))
+    def __call__(self, tokens_BxT: jax.Array, *, remat: str = "none", layout: Sequence | None = None) -> jax.Array:
+        """Next-token logits [B, T, V] in float32 for int tokens [B, T] (V: the padded vocabulary),
+        laid out as `layout` says (`layers.Sequence`: packed documents, a context-parallel shard)."""
+        with sequence_layout(layout):
+            return self.head(self.backbone(self.embed_tokens(tokens_BxT), remat=remat))
 
     def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
         """Token (and, for gpt2, position) embeddings [B, T, D] in the compute dtype."""
         cfg = self.cfg
         x_BxTxD = embed_lookup(self.embed[...].astype(cfg.dtype), token_ids(tokens_BxT))
-        if cfg.arch == "gpt2":
+        if cfg.arch == "gpt2" and (layout := sequence()) is not None:  # positions of their own
+            x_BxTxD = x_BxTxD + local_seq(self.pos_embed[...].astype(cfg.dtype)[layout.positions], axis=1)
+        elif cfg.arch == "gpt2":
             x_BxTxD = x_BxTxD + local_seq(self.pos_embed[:tokens_BxT.shape[1]].astype(cfg.dtype))[None]
         return constrain(x_BxTxD, ("batch", "sp_seq", "embed"))
 
@@ -320,9 +324,11 @@ def bind(cfg: ModelConfig, params: Params) -> Transformer:
     return nnx.merge(graphdef, state)
 
 
-def apply(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, *, remat: str = "none") -> jax.Array:
-    """Logits [B, T, V] (float32) of the model with `params` on `tokens_BxT`."""
-    return bind(cfg, params)(tokens_BxT, remat=remat)
+def apply(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, *, remat: str = "none",
+          layout: Sequence | None = None) -> jax.Array:
+    """Logits [B, T, V] (float32) of the model with `params` on `tokens_BxT`, laid out as `layout`
+    says (packed documents: `layers.packed(layers.document_segments(tokens, eos))`)."""
+    return bind(cfg, params)(tokens_BxT, remat=remat, layout=layout)
 
 
 def count_params(cfg: ModelConfig, *, embeddings: bool = True, active: bool = False) -> int:

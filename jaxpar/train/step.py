@@ -27,13 +27,15 @@ from jaxpar import model
 from jaxpar.config import Config, ConfigError, validate
 from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_mesh
 from jaxpar.model import moe
+from jaxpar.model.layers import document_segments, packed
 from jaxpar.model.loss import cross_entropy, cross_entropy_sum  # noqa: F401 (the loss rule; cross_entropy re-exported)
-from jaxpar.parallel import naive
+from jaxpar.model.transformer import token_ids
+from jaxpar.parallel import context, naive
 from jaxpar.parallel.gradients import make_loss_and_grads
 from jaxpar.parallel.microbatches import guard_non_finite
 from jaxpar.parallel.zero import Layout, make_layout
 from jaxpar.sharding import compute_rules
-from jaxpar.train.data import has_loss_mask
+from jaxpar.train.data import document_eos, has_loss_mask
 from jaxpar.train.optim import lr_schedule, make_optimizer, stored_params, upcast_at_use
 
 
@@ -45,12 +47,22 @@ class TrainState(NamedTuple):
     # with train.on_nan = stop, a positive count freezes the state (the loop then saves and stops)
 
 
-def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: int | None = None) -> jax.Array:
+def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: int | None = None,
+            eos: int | None = None, data: int = 1) -> jax.Array:
     """Loss of `params` on token windows [B, T + 1] (inputs and shifted targets), summed and divided
     by `n_tokens` (default: this batch's targets). A data shard passes the global count, so that
-    the shards' losses and gradients add up to those of the whole batch."""
-    logits = model.apply(cfg.model, params, batch_BxT1[:, :-1], remat=cfg.parallel.remat)
-    targets = batch_BxT1[:, 1:]
+    the shards' losses and gradients add up to those of the whole batch. With `eos`
+    (`data.document_mask`: `jaxpar.train.data.document_eos`), each document of a window, ended
+    by `eos`, is attended and positioned on its own. With `parallel.context` c > 1, `batch_BxT1` is
+    this rank's chunk windows (`jaxpar.parallel.context.windows`, inside the step's shard_map over
+    `data` of size `data`)."""
+    if cfg.parallel.context > 1:
+        inputs, targets = context.loss_rows(batch_BxT1)
+        layout = context.layout(cfg, inputs, data, eos)
+    else:
+        inputs, targets = batch_BxT1[:, :-1], batch_BxT1[:, 1:]
+        layout = None if eos is None else packed(document_segments(token_ids(inputs), eos))
+    logits = model.apply(cfg.model, params, inputs, remat=cfg.parallel.remat, layout=layout)
     return cross_entropy_sum(logits, targets, cfg.model.vocab_size) / (targets.size if n_tokens is None else n_tokens)
 
 
@@ -103,6 +115,18 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         raise ConfigError(f"model.attention = cudnn needs an NVIDIA GPU, but the mesh's devices are {platform}; "
                           "set model.attention=auto (cuDNN where it can run, XLA elsewhere) or xla.")
     check_host_memory(cfg, mesh.devices.flat[0])
+    eos = document_eos(cfg)
+    if cfg.parallel.context > 1 and mesh.shape["stage"] > 1:
+        raise ConfigError(f"mesh.stage = {mesh.shape['stage']} cannot be combined with parallel.context = "
+                          f"{cfg.parallel.context} (context parallelism is not built for a pipeline yet); set "
+                          "mesh.stage=1, or parallel.context=1.")
+    if eos is not None and mesh.shape["stage"] > 1:
+        raise ConfigError(f"data.document_mask = true is not built for a pipeline yet (mesh.stage = {mesh.shape['stage']}); "
+                          "set mesh.stage=1, or data.document_mask=false.")
+    if eos is not None and cfg.model.attention == "cudnn":
+        raise ConfigError("data.document_mask = true needs an attention kernel that takes document boundaries, which "
+                          "model.attention = cudnn does not here; set model.attention=auto (the tiled kernel on packed "
+                          "documents) or xla.")
     names, shapes = model.param_names(cfg.model), model.param_shapes(cfg.model)
     layout = make_layout(cfg, mesh, names, shapes)
     optimizer = make_optimizer(cfg.train, names)
@@ -111,13 +135,16 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
                                        is_leaf=lambda x: isinstance(x, P))
     param_shardings, grad_shardings, moment_shardings = shard(layout.params), shard(layout.grads), shard(layout.moments)
     replicated = NamedSharding(mesh, P())
-    batch_sharding = NamedSharding(mesh, compute_rules(cfg, mesh).spec(("batch", None)))
+    c, d = cfg.parallel.context, mesh.shape["data"]
+    # Context parallelism: the batch's rows are cut into chunk windows inside the step (ints: the
+    # whole batch on every device is B · T · 4 bytes).
+    batch_sharding = NamedSharding(mesh, P() if c > 1 else compute_rules(cfg, mesh).spec(("batch", None)))
     masked = has_loss_mask(cfg)
     if cfg.parallel.data_mode == "naive":  # torch DataParallel's pattern, for comparison: its own step
         if masked:
             raise ConfigError(f"data.source = {cfg.data.source!r} has a loss mask (chat data), which "
                               "parallel.data_mode = naive does not apply; use data_mode ddp.")
-        naive_loss = lambda p, rows, n: loss_fn(cfg, p, rows, n)  # noqa: E731
+        naive_loss = lambda p, rows, n: loss_fn(cfg, p, rows, n, eos)  # noqa: E731
         rooted = naive.root_optimizer(optimizer, mesh.shape["data"])
         return _program(cfg, mesh, layout, rooted, batch_sharding,
                         TrainState(replicated, param_shardings, naive.opt_state_shardings(rooted, shapes, mesh),
@@ -159,7 +186,8 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         loss_and_grads = make_pipeline_loss_and_grads(
             cfg, mesh, layout, table, lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size))
     else:
-        loss_and_grads = make_loss_and_grads(cfg, mesh, layout, lambda p, rows, n: loss_fn(cfg, p, rows, n))
+        loss_and_grads = context.wrap_batch(
+            make_loss_and_grads(cfg, mesh, layout, lambda p, rows, n: loss_fn(cfg, p, rows, n, eos, d)), c, d)
 
     def grads_at(params, batch):
         # (MoE: each sequence's router losses weigh 1 / sequences of the step, `jaxpar.model.moe`.)
