@@ -155,6 +155,22 @@ def validate(cfg: Config) -> None:
                                  "keeps the whole optimizer state and update on device 0 (data parallelism "
                                  f"only); set {key}={ok}, or parallel.data_mode=ddp.")
     require(par.microbatches >= 1, f"parallel.microbatches = {par.microbatches} must be at least 1; set it to 1 or more.")
+    require(par.context >= 1, f"parallel.context = {par.context} must be at least 1; set it to 1 (no context "
+                              "parallelism) or a divisor of mesh.data.")
+    if par.context > 1:
+        c = par.context
+        require(m.seq_len % (2 * c) == 0,
+                f"model.seq_len = {m.seq_len} is not divisible by 2 x parallel.context = {2 * c} (each sequence is "
+                f"cut into {2 * c} chunks, two per context rank); set model.seq_len to a multiple of {2 * c}.")
+        for key, value, ok, why in (
+                ("parallel.data_mode", par.data_mode, "ddp", "the naive baseline step has no context ranks"),
+                ("mesh.stage", mesh.stage, 1, "context parallelism is not built for a pipeline yet"),
+                ("model.n_experts", m.n_experts, 0, "an MoE router's per-sequence statistics are not yet summed "
+                                                   "over a sequence's context ranks"),
+                ("model.attention", m.attention, "auto", "context-parallel attention runs the tiled kernel")):
+            require(value == ok or (key == "model.attention" and value == "xla_lse") or (key == "mesh.stage" and value == -1),
+                    f"{key} = {value} cannot be combined with parallel.context = {c} ({why}); set {key}={ok}, "
+                    "or parallel.context=1.")
     require(par.virtual_stages >= 1, f"parallel.virtual_stages = {par.virtual_stages} must be at least 1; set it to 1 or more.")
 
     require(tr.steps >= 1, f"train.steps = {tr.steps} must be at least 1; set it to 1 or more.")

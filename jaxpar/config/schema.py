@@ -238,6 +238,15 @@ class ParallelConfig:
     """Model chunks per pipeline device (interleaved schedule)."""
     sequence_parallel: bool = False
     """Shard norms and residual activations along `seq` over `model` (Megatron sequence parallelism)."""
+    context: int = 1
+    """Context parallelism: c of the `data` axis's ranks split each sequence (c divides mesh.data;
+    model.seq_len divisible by 2c), the rest split the batch; context rank j holds chunks j and
+    2c − 1 − j of 2c (zigzag: every rank the same causal attention work). The context ranks join
+    the data ranks' gradient reduction and ZeRO shards (`jaxpar.parallel.context`)."""
+    context_attention: Literal["all_gather", "ring"] = "all_gather"
+    """How attention reads the other context ranks' keys and values: all_gather (Llama 3's: K and V
+    all-gathered over the c ranks, their gradients reduce-scattered back) or ring (K and V blocks
+    passed round the ring in c − 1 steps, partial outputs merged by their log-sum-exp)."""
     stage_layers: tuple[int, ...] | None = None
     """Layers per pipeline stage, e.g. [3, 5] (they sum to n_layers; one chunk per stage); null
     splits evenly. Lighter end stages balance the embedding and the loss."""

@@ -16,7 +16,11 @@ from jaxpar.parallel.stages import stage_layout
 
 
 def check_data_axis(cfg: Config, d: int) -> None:
-    """What expert parallelism over a `data` axis of size d requires."""
+    """What context parallelism and expert parallelism over a `data` axis of size d require."""
+    c = cfg.parallel.context
+    require(d % c == 0,
+            f"parallel.context = {c} does not divide mesh.data = {d} (each sequence is split over {c} of the data "
+            f"ranks); choose a context size that divides {d}, or a data size that is a multiple of {c}.")
     m = cfg.model
     if d == 1 or not m.moe or not cfg.parallel.expert_parallel:
         return
@@ -123,10 +127,13 @@ def _schedule_problem(name: str, p: int, m: int, v: int) -> str | None:
 
 
 def check_batch(cfg: Config, data: int) -> None:
-    """The global batch must split evenly over the data axis and the microbatches."""
+    """The global batch must split evenly over the data axis's sequence groups (data / context: all
+    of it without context parallelism) and the microbatches."""
     tr, par = cfg.train, cfg.parallel
-    per = data * par.microbatches
+    c = par.context if data % par.context == 0 else 1  # (else check_data_axis refuses the context size)
+    per = data // c * par.microbatches
+    over = (f"mesh.data x parallel.microbatches = {data} x {par.microbatches}" if c == 1 else
+            f"mesh.data / parallel.context x parallel.microbatches = {data} / {c} x {par.microbatches}")
     require(tr.global_batch % per == 0,
-            f"train.global_batch = {tr.global_batch} is not divisible by mesh.data x parallel.microbatches "
-            f"= {data} x {par.microbatches} = {per}; set train.global_batch to a multiple of {per} "
-            f"(e.g. {max(per, tr.global_batch // per * per)}).")
+            f"train.global_batch = {tr.global_batch} is not divisible by {over} = {per}; set train.global_batch "
+            f"to a multiple of {per} (e.g. {max(per, tr.global_batch // per * per)}).")
