@@ -73,9 +73,10 @@ MIN_TILE = 64
 the memory they save (a sequence with no divisor in [MIN_TILE, BLOCK] runs one tile)."""
 
 
-def tile(T: int, block: int = BLOCK) -> int:
-    """The tile size for T positions: T itself when T <= block, else the largest divisor of T
-    that is at most `block` (T when none is at least MIN_TILE, or `block` if smaller)."""
+def tile(T: int, block: int | None = None) -> int:
+    """The tile size for T positions: T itself when T <= block (default BLOCK), else the largest
+    divisor of T that is at most `block` (T when none is at least MIN_TILE, or `block` if smaller)."""
+    block = BLOCK if block is None else block
     if T <= block:
         return T
     b = next(b for b in range(block, 0, -1) if T % b == 0)
@@ -218,12 +219,13 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, mask: Mask | None = None,
-              pairs: jax.Array | np.ndarray | None = None, block: int = BLOCK) -> jax.Array:
+              pairs: jax.Array | np.ndarray | None = None, block: int | None = None) -> jax.Array:
     """Attention [B, T, N, H] of queries [B, T, N, H] over keys and values [B, S, K, H] (N a
     multiple of K), scaled by 1/sqrt(H), tiled `block` positions square: causal over the positions
     `mask` gives (default: T == S, both 0 .. T − 1), within documents when it has segments, over
     the tile pairs `pairs` (default: `causal_pairs`, for a mask whose indices are in order). Saves
-    q, k, v heads-major, the output and its float32 log-sum-exp for the backward."""
+    q, k, v heads-major, the output and its float32 log-sum-exp for the backward. `block` defaults to
+    BLOCK."""
     B, T, N, H = q_BxTxNxH.shape
     S, K = k_BxSxKxH.shape[1], k_BxSxKxH.shape[2]
     b = tile(T, block)
