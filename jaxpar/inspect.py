@@ -45,6 +45,9 @@ class Collective:
     """One collective of the program, as one device sees it.
 
     `bytes` is the per-device result size (summed over a tuple result, e.g. a combined all-reduce);
+    `context` marks context parallelism's collectives (`parallel.context`: the K/V all-gathers and
+    their reduce-scatters, the ring's hops, the document-mask token gathers): over `data` alone, in
+    the context groups of c consecutive data ranks (`_is_context`);
     `executions` is the product of the trip counts of the enclosing while loops (summed over call
     paths when a computation is reached more than once); a loop without a known trip count is
     counted once and sets `executions_known=False`. A while condition counts trip count + 1.
@@ -59,6 +62,7 @@ class Collective:
     executions_known: bool = True
     name: str = ""
     computation: str = ""
+    context: bool = False
 
     @property
     def traffic(self) -> int:
@@ -88,13 +92,14 @@ class Report:
 
     def select(self, kind: str | Sequence[str] | None = None,
                axes: str | Sequence[str] | None = None, *, spans: str | None = None,
-               in_loop: bool | None = None) -> tuple[Collective, ...]:
+               in_loop: bool | None = None, context: bool | None = None) -> tuple[Collective, ...]:
         """Collectives matching every filter given.
 
         kind: one kind or several (any matches). axes: exactly this set of axes (a str is one
         axis; `()` selects collectives within single devices). spans: the collective's axes include
         this axis (e.g. every collective that crosses "data", alone or with other axes).
-        in_loop: inside (True) or outside (False) any while loop.
+        in_loop: inside (True) or outside (False) any while loop. context: context parallelism's
+        collectives (True) or the others (False).
         """
         kinds = (kind,) if isinstance(kind, str) else kind
         want = None if axes is None else frozenset((axes,) if isinstance(axes, str) else axes)
@@ -102,13 +107,14 @@ class Report:
                      if (kinds is None or c.kind in kinds)
                      and (want is None or frozenset(c.axes) == want)
                      and (spans is None or spans in c.axes)
-                     and (in_loop is None or c.in_loop == in_loop))
+                     and (in_loop is None or c.in_loop == in_loop)
+                     and (context is None or c.context == context))
 
     def traffic(self, kind: str | Sequence[str] | None = None,
                 axes: str | Sequence[str] | None = None, *, spans: str | None = None,
-                in_loop: bool | None = None) -> int:
+                in_loop: bool | None = None, context: bool | None = None) -> int:
         """Sum of `bytes * executions` over the collectives `select(...)` picks (same filters)."""
-        return sum(c.traffic for c in self.select(kind, axes, spans=spans, in_loop=in_loop))
+        return sum(c.traffic for c in self.select(kind, axes, spans=spans, in_loop=in_loop, context=context))
 
     def to_dict(self) -> dict:
         """JSON-able form: {"memory": {...}, "collectives": [{...}, ...]} with axes as lists."""
@@ -123,13 +129,15 @@ class Report:
 
         rows: dict[tuple, int] = {}
         for c in self.collectives:
-            key = (c.kind, c.axes, c.bytes, c.in_loop, c.executions, c.executions_known,
+            axes = c.axes + ("(context)",) if c.context else c.axes
+            key = (c.kind, axes, c.bytes, c.in_loop, c.executions, c.executions_known,
                    _short_op(c.op_name))
             rows[key] = rows.get(key, 0) + 1
         table = Table(title=f"{len(self.collectives)} collectives, "
                             f"{_human(self.traffic())} result bytes per call",
                       caption="bytes: result per device; runs: per call of the program "
-                              "(+: some loop's trip count unknown, counted once)")
+                              "(+: some loop's trip count unknown, counted once); "
+                              "data (context): context parallelism's groups")
         table.add_column("kind", no_wrap=True)
         table.add_column("axes", no_wrap=True)
         for col in ("count", "bytes", "loop", "runs", "bytes/call"):
@@ -137,21 +145,23 @@ class Report:
         table.add_column("op_name", overflow="fold")
         ordered = sorted(rows.items(), key=lambda kv: -kv[0][2] * kv[0][4] * kv[1])
         for (kind, axes, nbytes, in_loop, runs, known, op), count in ordered:
-            table.add_row(kind, ",".join(axes) or "-", str(count), _human(nbytes),
+            table.add_row(kind, ",".join(axes).replace(",(context)", " (context)") or "-", str(count), _human(nbytes),
                           "yes" if in_loop else "", f"{runs}" + ("" if known else "+"),
                           _human(nbytes * runs * count), op)
         return table
 
 
-def analyze(compiled, mesh) -> Report:
-    """Report of `compiled` (a `jax.stages.Compiled`) whose devices form `mesh`."""
+def analyze(compiled, mesh, context: int | None = None) -> Report:
+    """Report of `compiled` (a `jax.stages.Compiled`) whose devices form `mesh`; `context` is the
+    step's `parallel.context` (c), which names context parallelism's collectives (`_is_context`:
+    by their groups alone while c < mesh.data; c == mesh.data needs it)."""
     stats = compiled.memory_analysis()
     if stats is None:  # some backends do not implement it; say so rather than fail the collectives
         log.warning("this backend gives no memory analysis; memory is reported as 0")
     text = compiled.as_text()
     memory = Memory(*(int(getattr(stats, f"{name}_size_in_bytes", 0) or 0) for name in
                       ("argument", "output", "temp", "alias", "generated_code")), host_argument_bytes(text))
-    return Report(memory, parse_hlo(text, mesh, _device_order(compiled)))
+    return Report(memory, parse_hlo(text, mesh, _device_order(compiled), context))
 
 
 def host_argument_bytes(hlo_text: str) -> int:
@@ -178,8 +188,12 @@ def _device_order(compiled):
         return None
 
 
-def parse_hlo(hlo_text: str, mesh, device_order: Sequence | None = None) -> tuple[Collective, ...]:
+def parse_hlo(hlo_text: str, mesh, device_order: Sequence | None = None,
+              context: int | None = None) -> tuple[Collective, ...]:
     """Collectives of an HLO module's text, in program order.
+
+    `context`: the step's `parallel.context` c, or None (then a collective over proper groups of
+    consecutive data ranks is context parallelism's, whatever their size; see `_is_context`).
 
     Device ids in replica groups are positions in the program's device assignment: id i is
     `device_order[i]`, by default `mesh.devices.flat[i]`; its mesh coordinates give the axes.
@@ -208,8 +222,9 @@ def parse_hlo(hlo_text: str, mesh, device_order: Sequence | None = None) -> tupl
                 continue  # dead computation, never called from the entry
             axes = _axes(kind, rest, coords, names, mesh.devices.shape)
             op = _OP_NAME.search(rest)
+            ctx = _is_context(kind, rest, coords, names, mesh.devices.shape, axes, in_loop, context)
             out.append(Collective(kind, axes, _bytes(done_shapes.get(name, shape)), in_loop,
-                                  executions, op.group(1) if op else "", known, name, comp))
+                                  executions, op.group(1) if op else "", known, name, comp, ctx))
     return tuple(out)
 
 
@@ -492,6 +507,59 @@ def _axes(kind, rest, coords, names, mesh_shape) -> tuple[str, ...]:
     return tuple(n for n, v in zip(names, varies) if v)
 
 
+_CONTEXT_KINDS = ("all-gather", "reduce-scatter", "collective-permute")
+
+
+def _is_context(kind, rest, coords, names, mesh_shape, axes, in_loop, c) -> bool:
+    """Whether a collective is context parallelism's (`jaxpar.parallel.context`): an all-gather, a
+    reduce-scatter or a collective-permute over `data` alone whose groups (a permute's source and
+    target pairs) lie in the context groups, c consecutive data ranks each.
+
+    - c < data (or c not given): read from the groups alone: every group (pair) within one block
+      of consecutive data ranks smaller than the axis (c given: of c ranks), the other coordinates
+      fixed. Nothing else in jaxpar runs over part of `data`.
+    - c == data: a context group is the whole axis, as the gradient reduction's and ZeRO's groups
+      are; named by the config: the permutes over `data` (only the ring permutes there) and the
+      all-gathers and reduce-scatters over `data` inside a loop (the layers' scan). Under ZeRO-3,
+      whose per-layer weight gathers and gradient scatters are such too, they cannot be told apart
+      from the HLO and are named context's with them.
+    """
+    if kind not in _CONTEXT_KINDS or axes != ("data",) or c == 1:
+        return False
+    d_axis = names.index("data")
+    d = mesh_shape[d_axis]
+    if c is not None and c == d:
+        return kind == "collective-permute" or in_loop
+    if kind == "collective-permute":  # the groups: the devices the pairs connect
+        m = _PAIRS.search(rest)
+        groups = _components([p for p in (_int_lists(m.group(1)) if m else []) if p[0] != p[1]])
+    else:
+        groups = [g for g in _replica_groups(rest, len(coords)) if len(g) > 1]
+    for group in groups:
+        data = sorted(set(coords[np.asarray(group), d_axis].tolist()))
+        n = len(data)
+        if (c is not None and n != c) or n >= d or data[0] % n or data != list(range(data[0], data[0] + n)):
+            return False
+    return bool(groups)
+
+
+def _components(pairs: list[list[int]]) -> list[list[int]]:
+    """The devices a permute's (source, target) pairs connect, as groups."""
+    parent: dict[int, int] = {}
+
+    def root(i):
+        while parent.setdefault(i, i) != i:
+            i = parent[i]
+        return i
+
+    for a, b in pairs:
+        parent[root(a)] = root(b)
+    out: dict[int, list[int]] = {}
+    for i in list(parent):
+        out.setdefault(root(i), []).append(i)
+    return list(out.values())
+
+
 def _replica_groups(rest: str, num_devices: int) -> list[list[int]]:
     """Replica groups as lists of device ids, from any of the three formats XLA prints."""
     if m := _IOTA_GROUPS.search(rest):
@@ -611,7 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JaxparError as e:  # a mistake the user can fix (ConfigError and kin): no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = analyze(compiled, mesh)
+    report = analyze(compiled, mesh, config.parallel.context)
     if args.json:
         print(f"xla {xla.describe()}", file=sys.stderr)  # stdout holds the JSON alone
         print(json.dumps(report.to_dict()))

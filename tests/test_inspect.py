@@ -289,3 +289,42 @@ def test_cli_applies_runtime_xla_flags_before_compiling(tmp_path):
     line = next((s for s in proc.stdout.splitlines() if s.startswith("xla ")), None)
     assert line is not None and f"--xla_dump_to={dump}" in line, proc.stdout
     assert dump.is_dir() and any(dump.iterdir()), "XLA did not read the flag"
+
+
+# --- context parallelism's collectives in a compiled step -----------------------------------
+
+@pytest.mark.parametrize("c, kind", [(2, "all_gather"), (4, "all_gather"), (2, "ring"), (4, "ring")])
+def test_context_collectives_are_named_with_the_kv_bytes_per_layer(tiny, c, kind):
+    """A context-parallel step on data 8: its K/V all-gathers and their reduce-scatters (or the
+    ring's hops) are named context's, once per layer, with the bytes of the formula."""
+    from jaxpar.train.step import lower_step
+
+    cfg = tiny(model={"seq_len": 32}, mesh={"data": 8},
+               parallel={"context": c, "context_attention": kind})
+    m = cfg.model
+    compiled, mesh = lower_step(cfg)
+    report = analyze(compiled, mesh, c)
+    # One rank's K (or V): its B_loc sequences' 2L = T / c tokens of every kv head.
+    b_loc = cfg.train.global_batch // (8 // c)
+    block = b_loc * (m.seq_len // c) * m.kv_heads * m.head_size * 4  # float32
+    ctx = report.select(context=True)
+    assert ctx and all(x.axes == ("data",) and x.in_loop and x.executions == m.n_layers for x in ctx)
+    assert report.select(context=True) == report.select(context=True, axes="data")
+    # Nothing else is named: the gradient all-reduce, the batch's all-to-alls stay plain data.
+    assert not [x for x in report.select(context=False) if x.kind in ("all-gather", "reduce-scatter",
+                                                                        "collective-permute")]
+    fwd = [x for x in ctx if "transpose(" not in x.op_name]
+    bwd = [x for x in ctx if "transpose(" in x.op_name]
+    if kind == "all_gather":
+        assert [x.kind for x in fwd] == ["all-gather"] * 2 and {x.bytes for x in fwd} == {c * block}
+        assert [x.kind for x in bwd] == ["reduce-scatter"] * 2 and {x.bytes for x in bwd} == {block}
+    else:
+        assert {x.kind for x in ctx} == {"collective-permute"} and {x.bytes for x in ctx} == {block}
+        assert (len(fwd), len(bwd)) == (2 * (c - 1), 2 * (c - 1) + 2 * c)
+    # Received per device per layer (the ring model of `device_traffic`): (c − 1)/c of the gathered
+    # K and V forward, as many reduce-scattered backward; the ring's forward hops the same bytes.
+    share = {"all-gather": (c - 1) / c, "reduce-scatter": c - 1, "collective-permute": 1}
+    assert sum(x.bytes * share[x.kind] for x in fwd) == 2 * (c - 1) * block
+    assert sum(x.bytes * share[x.kind] for x in bwd) == (2 * (c - 1) if kind == "all_gather" else 4 * c - 2) * block
+    # Without c the groups alone name them (c < data).
+    assert [x.context for x in analyze(compiled, mesh).collectives] == [x.context for x in report.collectives]
