@@ -85,6 +85,13 @@ REDUCTION = {
     "3d-zero3-interleaved-dots": dict(mesh=(2, 2, 2), zero=3, microbatches=4, schedule="interleaved_1f1b",
                                       virtual_stages=2, remat="dots"),
 }
+# Context parallelism (`parallel.context`): K and V all-gathered over groups of c data ranks, or
+# passed round their ring (`jaxpar.plan.collectives.context_collectives`).
+CONTEXT = {
+    "dp8-cp2-all-gather": dict(mesh=(8, 1, 1), context=2),
+    "dp8-cp4-ring": dict(mesh=(8, 1, 1), context=4, context_attention="ring"),
+}
+REDUCTION = {**REDUCTION, **CONTEXT}
 # (Memory: ZeRO-3 per use under a pipeline is predicted 20-26% above the compiled step: DESIGN.md §9.)
 MEMORY_GAPS = {"dp4-pp2-zero3-1f1b", "dp4-pp2-zero3-zb", "3d-zero3-interleaved-dots"}
 CASES = [pytest.param(k, id=k) for k in MATRIX] + [pytest.param(k, id=k, marks=pytest.mark.slow) for k in SLOW]
@@ -123,6 +130,26 @@ def test_bytes_per_axis_match_the_inspector(compiled, name):
     for axis in ("data", "stage", "model"):
         measured = report.traffic(spans=axis)
         assert abs(predicted[axis] - measured) <= TRAFFIC_RTOL * measured, (axis, predicted[axis], measured)
+
+
+@pytest.mark.parametrize("name", list(CONTEXT))
+def test_context_collectives_match_the_inspectors_exactly(compiled, name):
+    """The K/V all-gathers and reduce-scatters, or the ring's hops: the planner's bytes are the
+    inspector's context collectives' (`Report.traffic(context=True)`), to the byte."""
+    from jaxpar.plan.collectives import context_collectives
+
+    cfg, shape, report = compiled(name)
+    predicted = context_collectives(cfg, shape)
+    assert sum(c.bytes * c.count for c in predicted) == report.traffic(context=True) > 0
+    assert {c.kind for c in predicted} == {c.kind for c in report.select(context=True)}
+
+
+def test_search_enumerates_context_parallelism_where_it_is_built():
+    from jaxpar.plan.search import _contexts
+
+    cfg = small(mesh=(8, 1, 1))
+    assert list(_contexts(cfg, (8, 1, 1))) == [(1, "all_gather")] + [(c, k) for c in (2, 4, 8) for k in ("all_gather", "ring")]
+    assert list(_contexts(cfg, (4, 2, 1))) == [(1, "all_gather")]  # no pipeline yet
 
 
 @pytest.mark.parametrize("etp,shared", [(True, 0), (False, 0), (False, 1)])

@@ -26,6 +26,9 @@ class Collective:
     static: float | None = None
     """How often the HLO states it where that differs from `count` (what `jaxpar.inspect` reads):
     one in a pipeline's action branch is stated in every tick."""
+    group: int | None = None
+    """The devices of its groups where fewer than its axes hold (context parallelism's: c
+    consecutive data ranks), for its wire bytes and its link (`steptime.step_time`)."""
 
     def wire(self, n: int) -> float:
         """Bytes one device sends per step over a group of n devices (ring algorithms):
@@ -115,6 +118,7 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
         out.append(Collective("all-gather", ("data",), st["sharded"]))  # the updated parameters
     if t > 1:
         out += _tensor_collectives(cfg, rows, t, sp, act_size, p, d)
+    out += context_collectives(cfg, shape)
     volume, count = moe_costs.all_to_all(cfg, shape, rows, act_size)
     if count:  # tokens to their experts and back: the expert compute waits on them (exposed)
         out.append(Collective("all-to-all", ("data",), volume, count))
@@ -122,6 +126,54 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     volume, count, _ = moe_costs.assembled_experts(cfg, shape, act_size)
     if count:  # replicated experts: each rank's expert assembled from the slices of every rank
         out.append(Collective("all-to-all", ("data",), volume, count))
+    return out
+
+
+def context_block(cfg: Config, shape: tuple[int, int, int]) -> int:
+    """Bytes of one rank's K (or V) in a context-parallel step (`parallel.context: c`): its
+    B·c/(data·microbatches) sequences' T/c tokens of its kv heads (split over `model` where they
+    divide), in the compute dtype."""
+    d, p, t = shape
+    m, par = cfg.model, cfg.parallel
+    c = par.context
+    rows = cfg.train.global_batch * c // (d * par.microbatches)
+    kv = m.kv_heads // t if m.kv_heads % t == 0 else m.kv_heads
+    return rows * (m.seq_len // c) * kv * m.head_size * _BYTES[m.dtype]
+
+
+def context_collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
+    """Context parallelism's collectives over `data` (`jaxpar.parallel.context`), in groups of c
+    consecutive data ranks, per layer and microbatch, blk = `context_block`:
+
+    - `all_gather`: K and V all-gathered in the forward (result c·blk each; each device receives
+      (c − 1)·blk), their cotangents reduce-scattered in the backward (result blk each, the same
+      received); remat `full` gathers again in the recomputed forward. The forward gathers feed the
+      attention at once: exposed; the backward's scatters run beside the layer's remaining backward.
+    - `ring`: (K, V) passed c − 1 hops forward, and in the backward c − 1 hops of (K, V) and c of
+      (dK, dV) (the last takes them home), each a permute of blk; remat `full` hops again in the
+      recomputed forward. Each hop runs beside the tile computation of the block in hand:
+      overlappable (`overlap`).
+
+    With `data.document_mask` the int32 token ids [B_loc, T] are all-gathered once per microbatch.
+    (The all-to-alls cutting the batch into the ranks' zigzag chunks, a few bytes per token, are
+    left out.)"""
+    d, p, t = shape
+    m, par = cfg.model, cfg.parallel
+    c = par.context
+    if c <= 1:
+        return []
+    blk = context_block(cfg, shape)
+    L, micro = m.n_layers // p, par.microbatches
+    forwards = 1 + (par.remat == "full")
+    if par.context_attention == "all_gather":
+        out = [Collective("all-gather", ("data",), c * blk, 2 * L * micro * forwards, group=c),
+               Collective("reduce-scatter", ("data",), blk, 2 * L * micro, overlap=True, group=c)]
+    else:
+        hops = 2 * (c - 1) * forwards + 2 * (c - 1) + 2 * c
+        out = [Collective("collective-permute", ("data",), blk, hops * L * micro, overlap=True, group=c)]
+    if cfg.data.document_mask:
+        rows = cfg.train.global_batch * c // (d * micro)
+        out.append(Collective("all-gather", ("data",), rows * m.seq_len * 4, micro, group=c))
     return out
 
 

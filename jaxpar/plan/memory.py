@@ -261,7 +261,10 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
             grads = st["local"] * g
         if micro > 1:
             grads = grads + shards * f32
-        act = _activations(m_act, rows, t, sp, par.remat, True, flash)
+        if par.context > 1:
+            act = _context_activations(cfg, m_act, rows, t, sp, shape)
+        else:
+            act = _activations(m_act, rows, t, sp, par.remat, True, flash)
         act["layers"] -= host
         buffers = 0
     else:
@@ -356,11 +359,38 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     if p > 1:  # the shared leaves stored over `stage`, gathered for the step (ZeRO-3: its data shard)
         gathered += st["staged"] / (d if zero == 3 else 1)
     out.update(gradients=int(grads), activations=int(saved + transient), pipeline_buffers=int(buffers),
-               gathered_params=int(gathered), batch=rows * micro * (m.seq_len + 1) * 4)
+               gathered_params=int(gathered), batch=rows * micro * (m.seq_len + 1) * 4 * (d if par.context > 1 else 1))
+    # (With context parallelism the step takes the batch whole on every device and cuts its rows
+    # into the ranks' chunks inside (`parallel.context.windows`): measured on CPU.)
     out["total"] = sum(out.values())
     out["host_activations"] = host  # pinned host memory: not in the device total
     out["host_optimizer"] = host_opt
     return out
+
+
+def _context_activations(cfg: Config, m_act, rows: int, t: int, sp: bool, shape) -> dict[str, int]:
+    """`_activations` of a context-parallel rank (`parallel.context: c`): its rows·c sequences of
+    T/c tokens (the same tokens as a data rank's) through the model, attention traced on one
+    device at T/c (tiled past 512 tokens, as the context's attention always is; below, XLA's
+    lse attention, which saves the same q, k, v, output and log-sum-exp). What the context's
+    attention holds beyond, per layer: `all_gather` saves the gathered K and V (c·blk each) in
+    place of the rank's own (remat `none`; a policy that remats the layer gathers again), and
+    holds them while a layer's attention runs forward or backward (in the working set); `ring`
+    holds the block in hand and the one arriving, and in the backward their dK and dV (4·blk)."""
+    from jaxpar.plan.collectives import context_block
+
+    c, kind = cfg.parallel.context, cfg.parallel.context_attention
+    act = _activations(dataclasses.replace(m_act, seq_len=m_act.seq_len // c), rows * c, t, sp,
+                       cfg.parallel.remat, True, False)
+    blk = context_block(cfg, shape)
+    if kind == "all_gather":
+        if cfg.parallel.remat == "none":
+            act["layers"] += 2 * (c - 1) * blk * m_act.n_layers
+            act["layer_saved"] += 2 * (c - 1) * blk
+        act["layer_backward"] += 2 * (c - 1) * blk
+    else:
+        act["layer_backward"] += 4 * blk
+    return act
 
 
 def _gather_per_step(cfg: Config, p: int) -> bool:

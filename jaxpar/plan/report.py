@@ -26,6 +26,8 @@ def _describe(e: Estimate) -> str:
     parts = [f"(data, stage, model) = ({d}, {p}, {t})", f"ZeRO-{par.zero}"]
     if p > 1:
         parts.append(f"{par.schedule}" + (f" v={par.virtual_stages}" if par.virtual_stages > 1 else ""))
+    if par.context > 1:
+        parts.append(f"context {par.context} ({par.context_attention})")
     parts.append(f"{par.microbatches} microbatch{'es' if par.microbatches > 1 else ''}")
     parts.append(f"remat {par.remat}")
     if e.cfg.train.master_weights != "none":
@@ -135,10 +137,10 @@ def _table(estimates: list[Estimate], title: str):
     """The ranked rows, numbered as `--json`'s `rank`."""
     from rich.table import Table
 
-    table = Table(title=title, caption="memory per device: params + grads + optimizer + activations (incl. "
+    table = Table(title=title, caption="CP: context parallelism's c (ag: K/V all-gather, ring); memory per device: params + grads + optimizer + activations (incl. "
                                        "pipeline buffers, ZeRO-3 gathers); time: compute incl. bubble, then "
                                        "exposed traffic on data / stage / model")
-    for col in ("#", "data", "stage", "model", "ZeRO", "schedule", "m", "remat", "SP", "master", "memory", "params",
+    for col in ("#", "data", "stage", "model", "CP", "ZeRO", "schedule", "m", "remat", "SP", "master", "memory", "params",
                 "grads", "optim", "activ", "step s", "bubble", "exposed d/s/m s", "MFU"):
         table.add_column(col, justify="right" if col not in ("schedule", "remat") else "left", no_wrap=True)
     for i, e in enumerate(estimates, 1):
@@ -146,7 +148,8 @@ def _table(estimates: list[Estimate], title: str):
         d, p, t = e.shape
         act = _activ(mem)
         sched = "-" if p == 1 else par.schedule + (f" v{par.virtual_stages}" if par.virtual_stages > 1 else "")
-        table.add_row(str(i), str(d), str(p), str(t), str(par.zero), sched, str(par.microbatches), par.remat,
+        cp = "-" if par.context == 1 else f"{par.context} {'ag' if par.context_attention == 'all_gather' else 'ring'}"
+        table.add_row(str(i), str(d), str(p), str(t), cp, str(par.zero), sched, str(par.microbatches), par.remat,
                       ("on" if par.sequence_parallel else "off") if t > 1 else "-",
                       "-" if e.cfg.train.master_weights == "none" else "fp32", _human(mem["total"]),
                       _human(mem["params"]), _human(mem["gradients"]), _human(mem["optimizer"]), _human(act),

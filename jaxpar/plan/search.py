@@ -139,7 +139,23 @@ def _variants(cfg: Config, shape: tuple[int, int, int], split):
         for sp in ((False, True) if t > 1 else (False,)):
             for schedule, v in schedules:
                 for master in masters:
-                    yield zero, sp, schedule, v, master
+                    for ctx in _contexts(cfg, shape):
+                        yield zero, sp, schedule, v, master, ctx
+
+
+def _contexts(cfg: Config, shape: tuple[int, int, int]):
+    """Context parallelism's choices (`parallel.context` c, `parallel.context_attention`): none
+    (c 1), and where it is built (no pipeline, no MoE) each c > 1 dividing the data axis with the
+    sequence cut into 2c chunks, by all-gather and by ring."""
+    yield 1, "all_gather"
+    d, p, _ = shape
+    m = cfg.model
+    if p > 1 or m.moe or cfg.parallel.data_mode != "ddp":
+        return
+    for c in _divisors(d)[1:]:
+        if m.seq_len % (2 * c) == 0:
+            yield c, "all_gather"
+            yield c, "ring"
 
 
 def _expert_parallel(cfg: Config, d: int) -> bool:
@@ -151,7 +167,7 @@ def _expert_parallel(cfg: Config, d: int) -> bool:
                                              or (d % m.n_experts == 0 and m.d_model % d == 0))
 
 
-def _candidate(cfg: Config, shape, m, remat, split, zero, sp, schedule, v, master) -> Config:
+def _candidate(cfg: Config, shape, m, remat, split, zero, sp, schedule, v, master, ctx=(1, "all_gather")) -> Config:
     d, p, t = shape
     # dataclasses.replace, not Config.replace: these values have the fields' types already, and
     # re-parsing 10^4 configs is slow.
@@ -159,7 +175,8 @@ def _candidate(cfg: Config, shape, m, remat, split, zero, sp, schedule, v, maste
         cfg, mesh=dataclasses.replace(cfg.mesh, data=d, stage=p, model=t),
         parallel=dataclasses.replace(cfg.parallel, zero=zero, sequence_parallel=sp, remat=remat, schedule=schedule,
                                      virtual_stages=v, microbatches=m, stage_layers=split,
-                                     expert_parallel=_expert_parallel(cfg, d)),
+                                     expert_parallel=_expert_parallel(cfg, d), context=ctx[0],
+                                     context_attention=ctx[1]),
         train=dataclasses.replace(cfg.train, master_weights=master))
 
 
@@ -169,7 +186,8 @@ def candidates(cfg: Config, devices: int, node_size: int):
     divide the layers with `parallel.stage_layers`, `stage_split`), each ZeRO stage, remat policy,
     sequence parallelism (with a model axis), schedule (with a stage axis; interleaved with 2
     chunks per stage), every microbatch count that divides the replica batch (at least p with a
-    pipeline) and, with 16-bit parameters, a float32 master copy or none."""
+    pipeline), with 16-bit parameters a float32 master copy or none, and context parallelism
+    (`_contexts`)."""
     for shape, m, split in _groups(cfg, devices, node_size):
         for remat in _REMATS:
             for variant in _variants(cfg, shape, split):
@@ -229,15 +247,15 @@ def plan(cfg: Config, devices: int, roof: Roofline, platform: str = "gpu", keep:
             if slower(floors[remat]):
                 pruned["slower"] += len(variants)
                 continue
-            for zero, sp, schedule, v, master in variants:
-                key = (shape, zero, schedule, v, master)
+            for zero, sp, schedule, v, master, ctx in variants:
+                key = (shape, zero, schedule, v, master, ctx)
                 # Memory falls (or stays) with more remat, with SP and with more microbatches (fewer
                 # rows each; without a pipeline only from 2 on: one microbatch has no accumulator).
                 if any(sp2 >= sp and r2 >= r and m2 >= m and (p > 1 or m >= 2 or m2 == m)
                        for sp2, r2, m2 in failed.get(key, ())):
                     pruned["bigger"] += 1
                     continue
-                cand = _candidate(cfg, shape, m, remat, split, zero, sp, schedule, v, master)
+                cand = _candidate(cfg, shape, m, remat, split, zero, sp, schedule, v, master, ctx)
                 try:
                     _check_cached(cand, shape)
                 except ConfigError as e:

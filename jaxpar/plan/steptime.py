@@ -194,7 +194,11 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[
     - data traffic: collectives inside the layer scan (ZeRO-0/1's per-layer gradient all-reduce,
       ZeRO-3's gathers and reduce-scatters) run beside the next layer's compute, exposed past it
       and for the last layer; reductions after a microbatch or tick loop and the all-gather of
-      updated parameters are exposed.
+      updated parameters are exposed. Context parallelism's (`collectives.context_collectives`, on
+      the link of its group of c data ranks): the K/V all-gathers exposed, their backward
+      reduce-scatters and the ring's hops counted as overlappable like the layer scan's (the ring's
+      hop runs beside the tiles of the block in hand; the model does not check that a block's
+      tiles outlast its hop, only that the layer's compute outlasts the layer's hops).
     """
     d, p, t = shape
     m, par = cfg.model, cfg.parallel
@@ -220,8 +224,12 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[
     exposed = {"data": 0.0, "stage": 0.0, "model": 0.0}
     hidden = 0.0
     for c in collectives(cfg, shape):
-        n = math.prod(dict(zip(AXES, shape))[a] for a in c.axes)
-        seconds = c.wire(n) / roof.bandwidth(max(c.axes, key=lambda a: {"model": 0, "stage": 1, "data": 2}[a]), shape)
+        n = math.prod(dict(zip(AXES, shape))[a] for a in c.axes) if c.group is None else c.group
+        if c.group is None:
+            bw = roof.bandwidth(max(c.axes, key=lambda a: {"model": 0, "stage": 1, "data": 2}[a]), shape)
+        else:  # a context group: c consecutive data ranks, c·p·t devices (NVLink while in one node)
+            bw = hw.intra_node_bw if c.group * p * t <= hw.node_size else hw.inter_node_bw
+        seconds = c.wire(n) / bw
         axis = c.axes[0] if len(c.axes) == 1 else "data"
         if c.overlap:
             hidden += seconds
