@@ -49,6 +49,8 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     micro, zero = par.microbatches, par.zero
     red = reduction(cfg, d, p)  # where the step reduces and gathers (the executors read the same)
     rows = cfg.train.global_batch // (d * micro)
+    if par.context > 1:  # B·c/(d·m) sequences of T/c tokens each: per token as rows of T
+        rows = cfg.train.global_batch / (d * micro)
     sp = par.sequence_parallel and t > 1
     # With master weights gradients are reduced in float32, and what ZeRO-3 gathers is the float32
     # upcast of its shards (jaxpar.train.step); the updated parameters are gathered in 16 bits.

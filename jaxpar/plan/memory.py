@@ -262,7 +262,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         if micro > 1:
             grads = grads + shards * f32
         if par.context > 1:
-            act = _context_activations(cfg, m_act, rows, t, sp, shape)
+            act = _context_activations(cfg, m_act, cfg.train.global_batch * par.context // (d * micro), t, sp, shape)
         else:
             act = _activations(m_act, rows, t, sp, par.remat, True, flash)
         act["layers"] -= host
@@ -302,7 +302,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # writes it into the wstash in place.)
         grads = shards * f32 + st["local"] * g
     grads += upcast
-    logits = rows * m.seq_len * m.padded_vocab // t * 4
+    logits = int(cfg.train.global_batch / (d * micro) * m.seq_len) * m.padded_vocab // t * 4  # (B·T/(d·m) tokens)
     # What remat recomputes in a layer's backward: `layer_backward` counts what the layer's
     # backward holds with no remat (every rule's residuals, and xla_lse attention's query block
     # being differentiated), `layer_saved` what the policy keeps. Under `none` nothing is
@@ -359,7 +359,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     if p > 1:  # the shared leaves stored over `stage`, gathered for the step (ZeRO-3: its data shard)
         gathered += st["staged"] / (d if zero == 3 else 1)
     out.update(gradients=int(grads), activations=int(saved + transient), pipeline_buffers=int(buffers),
-               gathered_params=int(gathered), batch=rows * micro * (m.seq_len + 1) * 4 * (d if par.context > 1 else 1))
+               gathered_params=int(gathered), batch=(cfg.train.global_batch if par.context > 1 else rows * micro) * (m.seq_len + 1) * 4)
     # (With context parallelism the step takes the batch whole on every device and cuts its rows
     # into the ranks' chunks inside (`parallel.context.windows`): measured on CPU.)
     out["total"] = sum(out.values())
@@ -369,7 +369,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
 
 
 def _context_activations(cfg: Config, m_act, rows: int, t: int, sp: bool, shape) -> dict[str, int]:
-    """`_activations` of a context-parallel rank (`parallel.context: c`): its rows·c sequences of
+    """`_activations` of a context-parallel rank (`parallel.context: c`): its `rows` = B·c/(d·m) sequences of
     T/c tokens (the same tokens as a data rank's) through the model, attention traced on one
     device at T/c (tiled past 512 tokens, as the context's attention always is; below, XLA's
     lse attention, which saves the same q, k, v, output and log-sum-exp). What the context's
@@ -380,7 +380,7 @@ def _context_activations(cfg: Config, m_act, rows: int, t: int, sp: bool, shape)
     from jaxpar.plan.collectives import context_block
 
     c, kind = cfg.parallel.context, cfg.parallel.context_attention
-    act = _activations(dataclasses.replace(m_act, seq_len=m_act.seq_len // c), rows * c, t, sp,
+    act = _activations(dataclasses.replace(m_act, seq_len=m_act.seq_len // c), rows, t, sp,
                        cfg.parallel.remat, True, False)
     blk = context_block(cfg, shape)
     if kind == "all_gather":

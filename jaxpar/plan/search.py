@@ -116,15 +116,26 @@ def _groups(cfg: Config, devices: int, node_size: int):
             continue
         for p in _divisors(devices // t):
             d = devices // (t * p)
-            if B % d:
+            per = B // d if B % d == 0 else _context_rows(cfg, (d, p, t))
+            if not per:
                 continue
             split = stage_split(cfg.model.n_layers, p)
-            for m in _divisors(B // d):
+            for m in _divisors(per):
                 if p == 1 or m >= p:
                     yield (d, p, t), m, split
 
 
-def _variants(cfg: Config, shape: tuple[int, int, int], split):
+def _context_rows(cfg: Config, shape) -> int:
+    """Where the batch does not split over `data`, the sequences per device with the least
+    context parallelism that splits it (B·c/data; 0 where none does)."""
+    d = shape[0]
+    for c, _ in list(_contexts(cfg, shape))[1::2]:
+        if (cfg.train.global_batch * c) % d == 0:
+            return cfg.train.global_batch * c // d
+    return 0
+
+
+def _variants(cfg: Config, shape: tuple[int, int, int], split, m: int | None = None):
     """The ZeRO stage, sequence parallelism (with a model axis), schedule (with a stage axis;
     interleaved with 2 chunks per stage, where the stages are even) and, with 16-bit parameters, a
     float32 master copy or none (`train.master_weights`) of one candidate group."""
@@ -140,7 +151,9 @@ def _variants(cfg: Config, shape: tuple[int, int, int], split):
             for schedule, v in schedules:
                 for master in masters:
                     for ctx in _contexts(cfg, shape):
-                        yield zero, sp, schedule, v, master, ctx
+                        # (each rank's sequences of T/c tokens split into the microbatches)
+                        if m is None or (cfg.train.global_batch * ctx[0]) % (d * m) == 0:
+                            yield zero, sp, schedule, v, master, ctx
 
 
 def _contexts(cfg: Config, shape: tuple[int, int, int]):
@@ -190,7 +203,7 @@ def candidates(cfg: Config, devices: int, node_size: int):
     (`_contexts`)."""
     for shape, m, split in _groups(cfg, devices, node_size):
         for remat in _REMATS:
-            for variant in _variants(cfg, shape, split):
+            for variant in _variants(cfg, shape, split, m):
                 yield _candidate(cfg, shape, m, remat, split, *variant), shape
 
 
@@ -238,12 +251,12 @@ def plan(cfg: Config, devices: int, roof: Roofline, platform: str = "gpu", keep:
 
     for i, (floor, shape, m, split, floors) in enumerate(groups):
         if slower(floor):  # (the groups that follow have higher floors still)
-            pruned["slower"] += sum(len(_REMATS) * len(list(_variants(cfg, g[1], g[3]))) for g in groups[i:])
+            pruned["slower"] += sum(len(_REMATS) * len(list(_variants(cfg, g[1], g[3], g[2]))) for g in groups[i:])
             break
         p = shape[1]
         for r in reversed(range(len(_REMATS))):
             remat = _REMATS[r]
-            variants = list(_variants(cfg, shape, split))
+            variants = list(_variants(cfg, shape, split, m))
             if slower(floors[remat]):
                 pruned["slower"] += len(variants)
                 continue

@@ -73,6 +73,8 @@ def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dic
     peak = hw.peak_flops if m.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32
     act = _BYTES[m.dtype]
     rows = cfg.train.global_batch // (d * par.microbatches)
+    if par.context > 1:  # B·c/(d·m) sequences of T/c tokens: the same tokens, the same attention pairs
+        rows = cfg.train.global_batch / (d * par.microbatches)
     M, S, D, F, hd = rows * m.seq_len, m.seq_len, m.d_model, m.d_ff, m.head_size
     H, K = m.n_heads // t, (m.kv_heads // t if m.kv_heads % t == 0 else m.kv_heads)
     gemm_units = 3 + (par.remat == "full")  # forward, the two backward matmuls, a recomputed forward
