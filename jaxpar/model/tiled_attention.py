@@ -113,10 +113,17 @@ def _scores(q, k, mask: Mask, qi, kj, b, scale):
     k_t = _slice(k, kj * b, b, 2)
     s = jnp.einsum("BKRH,BKSH->BKRS", q_t, k_t, preferred_element_type=jnp.float32) * jnp.float32(scale)
     t = jnp.tile(_slice(mask.q_index, qi * b, b, 0), G)  # row r = g·b + t
-    ok = (_slice(mask.k_index, kj * b, b, 0)[None, :] <= t[:, None])[None, None]
+    keys = _slice(mask.k_index, kj * b, b, 0)
+    segments = None
     if mask.q_segment is not None:
-        qs = jnp.tile(_slice(mask.q_segment, qi * b, b, 1), (1, G))  # [B, G·b]
-        ks = _slice(mask.k_segment, kj * b, b, 1)  # [B, b]
+        segments = jnp.tile(_slice(mask.q_segment, qi * b, b, 1), (1, G)), _slice(mask.k_segment, kj * b, b, 1)
+    # The mask's inputs pass a barrier with the scores: inside a loop over layers XLA otherwise finds
+    # the mask loop-invariant and precomputes every tile pair's, [pairs, B, K, G·b, b] booleans (2 GiB
+    # at 65,536 tokens over 8 context ranks, tile 512).
+    s, t, keys, segments = jax.lax.optimization_barrier((s, t, keys, segments))
+    ok = (keys[None, :] <= t[:, None])[None, None]
+    if segments is not None:
+        qs, ks = segments  # [B, G·b], [B, b]
         ok = ok & (qs[:, :, None] == ks[:, None, :])[:, None]
     return s, ok, q_t
 
