@@ -165,8 +165,8 @@ def validate(cfg: Config) -> None:
         for key, value, ok, why in (
                 ("parallel.data_mode", par.data_mode, "ddp", "the naive baseline step has no context ranks"),
                 ("mesh.stage", mesh.stage, 1, "context parallelism is not built for a pipeline yet"),
-                ("model.n_experts", m.n_experts, 0, "an MoE router's per-sequence statistics are not yet summed "
-                                                   "over a sequence's context ranks"),
+                ("model.capacity_factor", m.capacity_factor, None, "capacity mode queues a sequence's assignments in "
+                                                                   "order, which the zigzag's chunks are not"),
                 ("model.attention", m.attention, "auto", "context-parallel attention runs the tiled kernel")):
             require(value == ok or (key == "model.attention" and value == "xla_lse") or (key == "mesh.stage" and value == -1),
                     f"{key} = {value} cannot be combined with parallel.context = {c} ({why}); set {key}={ok}, "

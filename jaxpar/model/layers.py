@@ -219,6 +219,9 @@ class Sequence(NamedTuple):
     attend: Callable | None = None
     """`attend(q, k, v, cfg) -> o` replacing the attention kernel (context parallelism: the keys
     and values of the other ranks' tokens), or None."""
+    groups: tuple[tuple[int, ...], ...] | None = None
+    """The groups of `data` ranks whose tokens are parts of the same sequences (context
+    parallelism: per-sequence sums, such as an MoE router's loads, add over a group), or None."""
 
 
 _SEQUENCE: contextvars.ContextVar[Sequence | None] = contextvars.ContextVar("jaxpar_sequence", default=None)

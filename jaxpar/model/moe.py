@@ -36,7 +36,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.layers import linear, param, swiglu
+from jaxpar.model.layers import linear, param, sequence, swiglu
 from jaxpar.sharding import (DOT_TAG, constrain, enter_tp, exchange_experts, exit_tp, gather_sequence_shards,
                              sequence_shard_index, sequence_shards, tensor_parallel_size, varying_axes, vary,
                              zeros_like_varying)
@@ -153,8 +153,9 @@ class MoE(nnx.Module):
         # (The stats leaf varies over the manual axes the logits vary over, so that its cotangent,
         # computed from them, is typed as it is; the cast's transpose sums it over those axes.)
         axes = (*varying_axes(logits_BxTxE), *varying_axes(self.router_stats[...]))
+        layout = sequence()  # (context parallelism: the sequence's other chunks are on other data ranks)
         logits_BxTxE = _router_losses(vary(logits_BxTxE, axes), vary(self.router_stats[...], axes), bias, cfg, weight,
-                                      shards)
+                                      shards, None if layout is None else layout.groups)
         gates_BxTxK, experts_BxTxK = route(cfg, logits_BxTxE, bias)
         keep_BxTxK = keep_mask(cfg, experts_BxTxK, shards) if cfg.capacity_factor is not None else None
         x_NxD = x_BxTxD.reshape(B * T, D)
@@ -429,18 +430,25 @@ def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_do
 # The router losses' gradient and the router's report, through one custom VJP
 
 
-def router_losses(cfg: ModelConfig, logits_BxTxE: jax.Array, bias: jax.Array | None, shards: int = 1
-                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def router_losses(cfg: ModelConfig, logits_BxTxE: jax.Array, bias: jax.Array | None, shards: int = 1,
+                  context: tuple[tuple[int, ...], ...] | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per sequence [B]: the load-balancing loss, the z-loss, the dropped fraction, and the loads
     [B, E] (the fraction of the sequence's assignments each expert received). With the sequence
-    split into `shards` (these logits are one shard's), each is this shard's share: the shards'
-    values add up to the sequence's (the loss takes its loads from the whole sequence)."""
+    split into `shards` over `model` (these logits are one shard's), and over the data ranks of
+    `context`'s groups (context parallelism, `layers.Sequence.groups`), each is this shard's share:
+    the shards' values add up to the sequence's (the loss takes its loads from the whole sequence)."""
     E, k = cfg.n_experts, cfg.experts_per_token
     _, experts = route(cfg, jax.lax.stop_gradient(logits_BxTxE), bias)
-    T = logits_BxTxE.shape[1] * shards
+    c = 1 if context is None else len(context[0])
+    T = logits_BxTxE.shape[1] * shards * c
     counts_BxE = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(1, 2))
     load_BxE = counts_BxE / (T * k)
-    seq_load = load_BxE if shards == 1 else jnp.sum(gather_sequence_shards(counts_BxE), axis=0) / (T * k)
+    seq_counts = counts_BxE if shards == 1 else jnp.sum(gather_sequence_shards(counts_BxE), axis=0)
+    if context is not None:  # the counts of the sequence's other chunks, on the group's other ranks
+        # (An all-gather and a sum: jax's psum takes no axis_index_groups inside a shard_map.)
+        every = jax.lax.all_gather(seq_counts, "data", axis_index_groups=[list(g) for g in context])
+        seq_counts = jnp.sum(every, axis=0)
+    seq_load = seq_counts / (T * k)
     probs = (jax.nn.softmax(logits_BxTxE, axis=-1) if cfg.router == "softmax"
              else _normalized(jax.nn.sigmoid(logits_BxTxE)))
     aux = E * jnp.sum(seq_load * jnp.sum(probs, axis=1) / T, axis=-1)
@@ -456,24 +464,24 @@ def _normalized(scores):
     return scores / jnp.sum(scores, axis=-1, keepdims=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _router_losses(logits, stats, bias, cfg, weight, shards):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _router_losses(logits, stats, bias, cfg, weight, shards, context):
     return logits
 
 
-def _router_losses_fwd(logits, stats, bias, cfg, weight, shards):
+def _router_losses_fwd(logits, stats, bias, cfg, weight, shards, context):
     return logits, (logits, stats, bias)
 
 
-def _router_losses_bwd(cfg, weight, shards, res, g):
+def _router_losses_bwd(cfg, weight, shards, context, res, g):
     logits, stats, bias = res
 
     def objective(lg):
-        aux, z, _, _ = router_losses(cfg, lg, bias, shards)
+        aux, z, _, _ = router_losses(cfg, lg, bias, shards, context)
         return weight * jnp.sum(cfg.router_aux_loss * aux + cfg.router_z_loss * z)
 
     d_logits = jax.grad(objective)(logits)
-    aux, z, dropped, load = router_losses(cfg, logits, bias, shards)
+    aux, z, dropped, load = router_losses(cfg, logits, bias, shards, context)
     report = weight * jnp.concatenate([jnp.sum(load, axis=0), jnp.stack([jnp.sum(aux), jnp.sum(z), jnp.sum(dropped)])])
     report = vary(report.astype(stats.dtype), varying_axes(stats))
     return g + d_logits.astype(g.dtype), report, None if bias is None else zeros_like_varying(bias)

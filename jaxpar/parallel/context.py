@@ -128,7 +128,7 @@ def layout(cfg: Config, inputs_BxT: jax.Array, d: int, eos: int | None) -> Seque
     kind = cfg.parallel.context_attention
     attend = functools.partial(_all_gather if kind == "all_gather" else _ring, c=c, j=j, groups=grp, L=L,
                                segments=segments, segments_all=segments_all, seg_whole=None if eos is None else seg_whole)
-    return Sequence(pos, segments, attend)
+    return Sequence(pos, segments, attend, tuple(map(tuple, grp)))
 
 
 def _tiles(L: int) -> tuple[int, int]:

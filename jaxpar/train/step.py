@@ -111,6 +111,13 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     check_cpu_threads(mesh, cfg)
     check_sizes(cfg, tuple(mesh.shape[a] for a in AXES))
     platform = mesh.devices.flat[0].platform
+    if (platform == "cpu" and cfg.parallel.context > 1 and cfg.parallel.context_attention == "all_gather"
+            and "float16" in cfg.model.dtype):
+        # XLA:CPU aborts compiling the K and V cotangents' 16-bit reduce-scatter over the context
+        # groups (Shardy gives its reducer a `copy` root, which AllReducePromotion cannot clone).
+        raise ConfigError(f"parallel.context_attention = all_gather with model.dtype = {cfg.model.dtype} does not "
+                          "compile on XLA:CPU (its 16-bit reduce-scatter promotion aborts); set model.dtype=float32 "
+                          "on CPU, or parallel.context_attention=ring.")
     if cfg.model.attention == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attention = cudnn needs an NVIDIA GPU, but the mesh's devices are {platform}; "
                           "set model.attention=auto (cuDNN where it can run, XLA elsewhere) or xla.")
