@@ -158,8 +158,9 @@ def _variants(cfg: Config, shape: tuple[int, int, int], split, m: int | None = N
 
 def _contexts(cfg: Config, shape: tuple[int, int, int]):
     """Context parallelism's choices (`parallel.context` c, `parallel.context_attention`): none
-    (c 1), and where it is built (no pipeline, no MoE) each c > 1 dividing the data axis with the
-    sequence cut into 2c chunks, by all-gather and by ring."""
+    (c 1), and where it is built and costed (no pipeline; no MoE: the step runs dropless MoE with
+    context parallelism, but the planner's MoE terms do not split a sequence yet) each c > 1
+    dividing the data axis with the sequence cut into 2c chunks, by all-gather and by ring."""
     yield 1, "all_gather"
     d, p, _ = shape
     m = cfg.model
