@@ -102,10 +102,17 @@ def test_document_masking_changes_the_step(tiny):
     assert abs(float(masked) - float(plain)) > 1e-4, (masked, plain)
 
 
-def test_a_pipeline_with_document_masking_is_refused(tiny):
-    """Not built yet for a pipeline: refused before compiling, in one sentence with the fix."""
-    from jaxpar.config import ConfigError
-    from jaxpar.train import build
+PIPELINE = {
+    "dp2-pp2-1f1b-m4": dict(mesh={"data": 2, "stage": 2}, parallel={"schedule": "1f1b", "microbatches": 4}),
+    "pp2-tp2-zb_h1-m2": dict(mesh={"data": 2, "stage": 2, "model": 2},
+                             parallel={"schedule": "zb_h1", "microbatches": 2, "sequence_parallel": True}),
+}
 
-    with pytest.raises(ConfigError, match=r"data.document_mask = true is not built for a pipeline.*mesh.stage=1"):
-        build(_documents(tiny, mesh={"stage": 2}))
+
+@pytest.mark.parametrize("case", PIPELINE)
+def test_document_masking_in_a_pipeline_matches_single_device(tiny, case):
+    """Every F embeds and attends its microbatch's documents on their own (B and W reuse what F
+    saved): 1F1B over 2 stages beside 2 data ranks, and ZB-H1 (its split backward) beside TP 2
+    with sequence parallelism."""
+    assert_parity(run_steps(_documents(tiny, model={"n_layers": 4}, **PIPELINE[case])),
+                  _reference(tiny, n_layers=4))

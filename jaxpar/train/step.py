@@ -127,9 +127,6 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         raise ConfigError(f"mesh.stage = {mesh.shape['stage']} cannot be combined with parallel.context = "
                           f"{cfg.parallel.context} (context parallelism is not built for a pipeline yet); set "
                           "mesh.stage=1, or parallel.context=1.")
-    if eos is not None and mesh.shape["stage"] > 1:
-        raise ConfigError(f"data.document_mask = true is not built for a pipeline yet (mesh.stage = {mesh.shape['stage']}); "
-                          "set mesh.stage=1, or data.document_mask=false.")
     if eos is not None and cfg.model.attention == "cudnn":
         raise ConfigError("data.document_mask = true needs an attention kernel that takes document boundaries, which "
                           "model.attention = cudnn does not here; set model.attention=auto (the tiled kernel on packed "
@@ -191,7 +188,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         table = table_of(build_schedule(cfg.parallel.schedule, mesh.shape["stage"], cfg.parallel.microbatches,
                                         cfg.parallel.virtual_stages))
         loss_and_grads = make_pipeline_loss_and_grads(
-            cfg, mesh, layout, table, lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size))
+            cfg, mesh, layout, table, lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size), eos=eos)
     else:
         loss_and_grads = context.wrap_batch(
             make_loss_and_grads(cfg, mesh, layout, lambda p, rows, n: loss_fn(cfg, p, rows, n, eos, d)), c, d)

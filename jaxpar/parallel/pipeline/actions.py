@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import model
-from jaxpar.model.layers import split_backward, weight_gradient
-from jaxpar.model.transformer import block_bodies, scan_layers, stack
+from jaxpar.model.layers import document_segments, packed, sequence_layout, split_backward, weight_gradient
+from jaxpar.model.transformer import block_bodies, scan_layers, stack, token_ids
 from jaxpar.parallel import microbatches
 from jaxpar.parallel.gradients import _seed, mark_for_use
 from jaxpar.parallel.pipeline.setup import DATA, STAGE
@@ -169,8 +169,17 @@ def forward(plan, st, x_in, mb, k, stash, slot, g_shared, rec=None):
     inside the head's `cond`). With `rec` (and `stash` None): the plan's trace, which records the
     residuals' structure and types into `rec`. Returns (y, stash, g_shared, loss)."""
     s = plan.setup
-    first, last = ends(plan, st, k)
     tokens, targets = st.micro[mb, :, :-1], st.micro[mb, :, 1:]
+    # Packed documents: the microbatch's layout, read by its embedding and attention (B and W use
+    # what F saved: the tiled attention keeps its segments among its residuals).
+    packing = None if s.eos is None else packed(document_segments(token_ids(tokens), s.eos))
+    with sequence_layout(packing):
+        return _forward(plan, st, x_in, tokens, targets, k, stash, slot, g_shared, rec)
+
+
+def _forward(plan, st, x_in, tokens, targets, k, stash, slot, g_shared, rec):
+    s = plan.setup
+    first, last = ends(plan, st, k)
     sh = diff_shared(plan, st)
     # Only the first chunk embeds (a cond, not a select: under tensor parallelism the lookup ends
     # in a collective, under ZeRO-3 the embedding's gather, that the other stages must not pay

@@ -51,16 +51,17 @@ from jaxpar.sharding import activation_rules
 
 
 def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table: Table,
-                                 loss_sum: Callable, *, poison_idle: bool = False) -> Callable:
+                                 loss_sum: Callable, *, poison_idle: bool = False, eos: int | None = None) -> Callable:
     """`(params, batch) -> (loss, grads)` of the global batch through the pipeline.
 
     `loss_sum(logits, targets)` is the summed token loss of a microbatch; it is divided once by
     the global token count. With `poison_idle`, what a stage sends on a tick without F (or
     without B and I) is NaN: a test that an idle tick's send never lands in a buffer, so bubbles
     never leak into gradients (every action reads its input row and stash slot inside its own
-    cond, so an idle tick reads neither).
+    cond, so an idle tick reads neither). With `eos` (`data.document_mask`), every F runs its
+    microbatch's packed documents on their own (`jaxpar.model.layers.packed`).
     """
-    setup = make_setup(cfg, mesh, layout, table, loss_sum, poison_idle)
+    setup = make_setup(cfg, mesh, layout, table, loss_sum, poison_idle, eos)
     v, p, dp = setup.v, setup.p, setup.dp
     manual, rules, tp = manual_region(cfg, mesh, STAGE)
 

@@ -43,6 +43,7 @@ class Setup:
     sp: bool            # sequence parallelism on
     data_axes: tuple    # ("data",) where data has more than one shard, else ()
     reduction: Reduction  # where gradients are reduced and ZeRO-3's shards gathered (gradients.reduction)
+    eos: int | None     # data.document_mask: the id that ends a document (`train.data.document_eos`), else None
     fwd_pairs: tuple    # ppermute pairs of the forward hop (interleaved: round the ring)
     bwd_pairs: tuple
 
@@ -66,7 +67,7 @@ class Setup:
 
 
 def make_setup(cfg: Config, mesh: Mesh, layout: Layout, table: Table, loss_sum: Callable,
-               poison_idle: bool) -> Setup:
+               poison_idle: bool, eos: int | None = None) -> Setup:
     p, t = mesh.shape[STAGE], mesh.shape[MODEL]
     v = table.chunks
     dp = mesh.shape[DATA] > 1
@@ -79,7 +80,7 @@ def make_setup(cfg: Config, mesh: Mesh, layout: Layout, table: Table, loss_sum: 
         cfg=cfg, layout=layout, table=table, loss_sum=loss_sum, poison_idle=poison_idle, p=p, v=v, t=t,
         d=mesh.shape[DATA], m=cfg.parallel.microbatches, slots=slots, chunk_cfg=chunk_cfg,
         n_tokens=microbatches.loss_tokens(cfg), sp=cfg.parallel.sequence_parallel and t > 1,
-        data_axes=(DATA,) if dp else (),
+        data_axes=(DATA,) if dp else (), eos=eos,
         # ZeRO-2, per microbatch: every B reduce-scatters its sharded gradients where they arise (a
         # seed per leaf, `jaxpar.sharding.Handout`), and the accumulator holds shards only.
         reduction=reduction(cfg, mesh.shape[DATA], p),
