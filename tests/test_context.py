@@ -82,6 +82,7 @@ CASES = {
     "c8-ring": ("llama", False, {"data": 8}, _cp(8, "ring")),
     "c2-ring-tp2-sp-zero3": ("llama", False, {"data": 4, "model": 2}, _cp(2, "ring", sequence_parallel=True, zero=3)),
     "c4-all_gather-zero1-m2-docs": ("llama", True, {"data": 8}, _cp(4, "all_gather", zero=1, microbatches=2)),
+    "c2-all_gather-pp2-1f1b": ("llama", False, {"data": 4, "stage": 2}, _cp(2, "all_gather", microbatches=2)),
 }
 SLOW = {
     "c2-ring": ("llama", False, {"data": 8}, _cp(2, "ring")),
@@ -94,6 +95,10 @@ SLOW = {
     "c2-ring-tp2-sp-docs": ("llama", True, {"data": 4, "model": 2}, _cp(2, "ring", sequence_parallel=True)),
     "gpt2-c2-all_gather-zero2-docs": ("gpt2", True, {"data": 8}, _cp(2, "all_gather", zero=2)),
     "gpt2-c4-ring": ("gpt2", False, {"data": 8}, _cp(4, "ring")),
+    "c4-all_gather-pp2-zb_h1-zero1-docs": ("llama", True, {"data": 4, "stage": 2},
+                                           _cp(4, "all_gather", schedule="zb_h1", microbatches=2, zero=1)),
+    "c2-all_gather-pp2-gpipe-tp2-sp": ("llama", False, {"data": 2, "stage": 2, "model": 2},
+                                       _cp(2, "all_gather", schedule="gpipe", microbatches=2, sequence_parallel=True)),
 }
 
 MOE = dict(n_experts=8, experts_per_token=2, expert_d_ff=16, router_aux_loss=0.1, router_z_loss=0.01)
@@ -118,8 +123,9 @@ def _run(tiny, case):
 @pytest.mark.parametrize("case", CASES)
 def test_context_parallel_matches_single_device(tiny, case):
     """Each sequence split over c of the 8 data ranks trains to the one-device losses and gradients:
-    both attention kinds, c from 2 to 8, beside TP 2 with sequence parallelism and ZeRO-3, and with
-    ZeRO-1, 2 microbatches and document masking (documents cut by the zigzag's chunks)."""
+    both attention kinds, c from 2 to 8, beside TP 2 with sequence parallelism and ZeRO-3, with
+    ZeRO-1, 2 microbatches and document masking (documents cut by the zigzag's chunks), and in a
+    2-stage 1F1B pipeline."""
     _run(tiny, CASES[case])
 
 
@@ -127,7 +133,8 @@ def test_context_parallel_matches_single_device(tiny, case):
 @pytest.mark.parametrize("case", SLOW)
 def test_context_parallel_matches_single_device_slow(tiny, case):
     """The rest of the matrix: c 2, 4, 8 for both kinds, TP + SP with ZeRO-1, ring with ZeRO-3 and
-    documents, gpt2's learned positions at the chunks' positions."""
+    documents, gpt2's learned positions at the chunks' positions, ZB-H1 with ZeRO-1 and documents,
+    GPipe beside TP 2 with sequence parallelism."""
     _run(tiny, SLOW[case])
 
 
@@ -155,7 +162,8 @@ def test_context_parallel_step_does_the_causal_work_split_evenly(tiny, monkeypat
 @pytest.mark.parametrize("changes,match", [
     ({"parallel": {"context": 3}, "model": {"seq_len": 48}}, r"parallel.context = 3 does not divide mesh.data = 8"),
     ({"parallel": {"context": 4}, "model": {"seq_len": 12}}, r"model.seq_len = 12 is not divisible by 2 x parallel.context = 8"),
-    ({"parallel": {"context": 2}, "mesh": {"data": 4, "stage": 2}}, r"mesh.stage = 2 cannot be combined with parallel.context = 2"),
+    ({"parallel": {"context": 2, "context_attention": "ring"}, "mesh": {"data": 4, "stage": 2}},
+     r"parallel.context_attention = ring cannot be combined with mesh.stage = 2"),
     ({"parallel": {"context": 2}, "model": {"n_experts": 8, "experts_per_token": 2, "capacity_factor": 1.0}},
      r"model.capacity_factor = 1.0 cannot be combined with parallel.context = 2"),
     ({"parallel": {"context": 2}, "model": {"dtype": "bfloat16"}},

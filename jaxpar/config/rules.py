@@ -164,11 +164,10 @@ def validate(cfg: Config) -> None:
                 f"cut into {2 * c} chunks, two per context rank); set model.seq_len to a multiple of {2 * c}.")
         for key, value, ok, why in (
                 ("parallel.data_mode", par.data_mode, "ddp", "the naive baseline step has no context ranks"),
-                ("mesh.stage", mesh.stage, 1, "context parallelism is not built for a pipeline yet"),
                 ("model.capacity_factor", m.capacity_factor, None, "capacity mode queues a sequence's assignments in "
                                                                    "order, which the zigzag's chunks are not"),
                 ("model.attention", m.attention, "auto", "context-parallel attention runs the tiled kernel")):
-            require(value == ok or (key == "model.attention" and value == "xla_lse") or (key == "mesh.stage" and value == -1),
+            require(value == ok or (key == "model.attention" and value == "xla_lse"),
                     f"{key} = {value} cannot be combined with parallel.context = {c} ({why}); set {key}={ok}, "
                     "or parallel.context=1.")
     require(par.virtual_stages >= 1, f"parallel.virtual_stages = {par.virtual_stages} must be at least 1; set it to 1 or more.")

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxpar import model
 from jaxpar.model.layers import document_segments, packed, sequence_layout, split_backward, weight_gradient
 from jaxpar.model.transformer import block_bodies, scan_layers, stack, token_ids
-from jaxpar.parallel import microbatches
+from jaxpar.parallel import context, microbatches
 from jaxpar.parallel.gradients import _seed, mark_for_use
 from jaxpar.parallel.pipeline.setup import DATA, STAGE
 from jaxpar.parallel.pipeline.stash import get_row, param_leaves, set_row
@@ -103,6 +103,13 @@ def bodies(plan, st, k):
     return block_bodies(s.chunk_cfg, blocks, s.cfg.parallel.remat, active(plan, st, k))[1]
 
 
+def microbatch(setup, st, mb):
+    """Microbatch mb's input and target tokens [b, seq]: under context parallelism each sequence's
+    two chunks, from its chunk windows (`parallel.context.loss_rows`)."""
+    rows = st.micro[mb]
+    return context.loss_rows(rows) if setup.cfg.parallel.context > 1 else (rows[:, :-1], rows[:, 1:])
+
+
 def chunk_forward(plan, st, blocks, shared, x_in, tokens, first, k):
     """The chunk as the unpipelined model runs it (the taps' recording trace, `plan._taps`)."""
     s = plan.setup
@@ -169,11 +176,14 @@ def forward(plan, st, x_in, mb, k, stash, slot, g_shared, rec=None):
     inside the head's `cond`). With `rec` (and `stash` None): the plan's trace, which records the
     residuals' structure and types into `rec`. Returns (y, stash, g_shared, loss)."""
     s = plan.setup
-    tokens, targets = st.micro[mb, :, :-1], st.micro[mb, :, 1:]
-    # Packed documents: the microbatch's layout, read by its embedding and attention (B and W use
-    # what F saved: the tiled attention keeps its segments among its residuals).
-    packing = None if s.eos is None else packed(document_segments(token_ids(tokens), s.eos))
-    with sequence_layout(packing):
+    tokens, targets = microbatch(s, st, mb)
+    # The microbatch's layout (packed documents, a context-parallel shard), read by its embedding
+    # and attention; B and W use what F saved (the attention keeps what it needs as residuals).
+    if s.cfg.parallel.context > 1:
+        layout = context.layout(s.cfg, tokens, s.d, s.eos)
+    else:
+        layout = None if s.eos is None else packed(document_segments(token_ids(tokens), s.eos))
+    with sequence_layout(layout):
         return _forward(plan, st, x_in, tokens, targets, k, stash, slot, g_shared, rec)
 
 

@@ -43,7 +43,7 @@ class Stage(NamedTuple):
     index: jax.Array  # axis_index("stage")
     blocks: dict      # [v, layers per chunk, ...] per block leaf, data-varying (unreduced in the loop)
     shared: dict      # embedding, final norm, head: data- and stage-varying
-    micro: jax.Array  # [m, b, seq + 1] token ids
+    micro: jax.Array  # [m, b, seq + 1] token ids (context parallelism: [m, 2b, seq / 2 + 1] chunk windows)
 
 
 def stage_inputs(setup: Setup, index: jax.Array, params: dict, batch: jax.Array) -> Stage:
@@ -131,7 +131,7 @@ class Recording:
 def _layout(setup: Setup, st: Stage) -> StagePlan:
     """Step 1: the plan from the parameters' structure and the table (no trace yet)."""
     s, layout, cfg = setup, setup.layout, setup.cfg
-    b, seq = st.micro.shape[1], st.micro.shape[2] - 1
+    b, seq = actions.microbatch(s, st, 0)[0].shape
     is_dim = lambda x: x is None or isinstance(x, int)  # noqa: E731
     block_dims = layout.zero_dims["blocks"]
     # What is differentiated: the parameters, or (ZeRO-2 per microbatch) the seeds of the
@@ -173,7 +173,7 @@ def _taps(plan: StagePlan, st: Stage, z: jax.Array) -> dict:
         def chunk(x):
             return actions.chunk_forward(plan, st, actions.handed_blocks(plan, actions.diff_blocks(plan, full_bl), full_bl),
                                          actions.handed_shared(plan, st, actions.diff_shared(plan, st)), x,
-                                         st.micro[z, :, :-1], z > 0, z)
+                                         actions.microbatch(s, st, z)[0], z > 0, z)
         jax.make_jaxpr(chunk)(actions.zeros(plan, plan.act_shape))
     return {k_: (xs, xd, gs, gd, tuple(sorted({*ax, *s.data_axes, STAGE})), ws)
             for k_, (xs, xd, gs, gd, ax, ws) in rec.shapes.items()}
