@@ -11,7 +11,7 @@ from jaxpar.config import Config
 from jaxpar.mesh import AXES
 from jaxpar.parallel.gradients import reduction
 from jaxpar.plan import moe as moe_costs
-from jaxpar.plan.memory import _BYTES, _fused_b, _schedule, _stage_slots, model_state
+from jaxpar.plan.memory import _BYTES, _fused_b, _schedule, _stage_slots, context_block, model_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,18 +129,6 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     if count:  # replicated experts: each rank's expert assembled from the slices of every rank
         out.append(Collective("all-to-all", ("data",), volume, count))
     return out
-
-
-def context_block(cfg: Config, shape: tuple[int, int, int]) -> int:
-    """Bytes of one rank's K (or V) in a context-parallel step (`parallel.context: c`): its
-    B·c/(data·microbatches) sequences' T/c tokens of its kv heads (split over `model` where they
-    divide), in the compute dtype."""
-    d, p, t = shape
-    m, par = cfg.model, cfg.parallel
-    c = par.context
-    rows = cfg.train.global_batch * c // (d * par.microbatches)
-    kv = m.kv_heads // t if m.kv_heads % t == 0 else m.kv_heads
-    return rows * (m.seq_len // c) * kv * m.head_size * _BYTES[m.dtype]
 
 
 def context_collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:

@@ -368,6 +368,18 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
     return out
 
 
+def context_block(cfg: Config, shape: tuple[int, int, int]) -> int:
+    """Bytes of one rank's K (or V) in a context-parallel step (`parallel.context: c`): its
+    B·c/(data·microbatches) sequences' T/c tokens of its kv heads (split over `model` where they
+    divide), in the compute dtype."""
+    d, p, t = shape
+    m, par = cfg.model, cfg.parallel
+    c = par.context
+    rows = cfg.train.global_batch * c // (d * par.microbatches)
+    kv = m.kv_heads // t if m.kv_heads % t == 0 else m.kv_heads
+    return rows * (m.seq_len // c) * kv * m.head_size * _BYTES[m.dtype]
+
+
 def _context_activations(cfg: Config, m_act, rows: int, t: int, sp: bool, shape) -> dict[str, int]:
     """`_activations` of a context-parallel rank (`parallel.context: c`): its `rows` = B·c/(d·m) sequences of
     T/c tokens (the same tokens as a data rank's) through the model, attention traced on one
@@ -377,8 +389,6 @@ def _context_activations(cfg: Config, m_act, rows: int, t: int, sp: bool, shape)
     place of the rank's own (remat `none`; a policy that remats the layer gathers again), and
     holds them while a layer's attention runs forward or backward (in the working set); `ring`
     holds the block in hand and the one arriving, and in the backward their dK and dV (4·blk)."""
-    from jaxpar.plan.collectives import context_block
-
     c, kind = cfg.parallel.context, cfg.parallel.context_attention
     act = _activations(dataclasses.replace(m_act, seq_len=m_act.seq_len // c), rows, t, sp,
                        cfg.parallel.remat, True, False)
