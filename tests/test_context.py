@@ -85,7 +85,7 @@ CASES = {
     "c2-all_gather-pp2-1f1b": ("llama", False, {"data": 4, "stage": 2}, _cp(2, "all_gather", microbatches=2)),
 }
 SLOW = {
-    "c4-ring": ("llama", False, {"data": 8}, _cp(4, "ring")),
+    "c8-all_gather": ("llama", False, {"data": 8}, _cp(8, "all_gather")),
     "c2-all_gather-tp2-sp-zero1": ("llama", False, {"data": 4, "model": 2},
                                    _cp(2, "all_gather", sequence_parallel=True, zero=1)),
     "c4-ring-zero3-docs": ("llama", True, {"data": 8}, _cp(4, "ring", zero=3)),
@@ -129,8 +129,8 @@ def test_context_parallel_matches_single_device(tiny, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW)
 def test_context_parallel_matches_single_device_slow(tiny, case):
-    """The rest of the matrix (with the default cases, c 2, 4, 8 and both kinds each meet): c 4
-    ring, TP + SP with ZeRO-1, ring with ZeRO-3 and documents, gpt2's learned positions at the chunks' positions, ZB-H1 with ZeRO-1 and documents,
+    """The rest of the matrix (with the default cases, each c of 2, 4, 8 meets both kinds): c 8
+    all_gather, TP + SP with ZeRO-1, ring with ZeRO-3 and documents, gpt2's learned positions at the chunks' positions, ZB-H1 with ZeRO-1 and documents,
     GPipe beside TP 2 with sequence parallelism."""
     _run(tiny, SLOW[case])
 
