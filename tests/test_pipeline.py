@@ -154,9 +154,24 @@ def tick_loops(compiled_text):
     return [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', compiled_text)]
 
 
+_COSTS = {}
+
+
+def step_costs(cfg):
+    """(bytes accessed, temp bytes) of the compiled step of `cfg` on the first 4·data devices,
+    compiled once per module: the stash tests and the matmul-input test read the same 1F1B and
+    ZB-H1 steps. Keyed by `pipeline.STASH_MATMUL_INPUTS` too (a test turns it off)."""
+    from jaxpar.parallel import pipeline
+
+    key = (cfg, pipeline.STASH_MATMUL_INPUTS)
+    if key not in _COSTS:
+        compiled, _ = lower_step(cfg, make_mesh(cfg, jax.devices()[:4 * cfg.mesh.data]))
+        _COSTS[key] = compiled.cost_analysis()["bytes accessed"], compiled.memory_analysis().temp_size_in_bytes
+    return _COSTS[key]
+
+
 def temp_bytes(cfg):
-    compiled, _ = lower_step(cfg, make_mesh(cfg, jax.devices()[:4 * cfg.mesh.data]))
-    return compiled.memory_analysis().temp_size_in_bytes
+    return step_costs(cfg)[1]
 
 
 def test_stash_memory_follows_the_table_and_the_remat_policy():
@@ -216,17 +231,12 @@ def test_w_reads_each_matmul_input_where_f_stashed_it(monkeypatch, schedule):
     from jaxpar.parallel import pipeline
 
     cfg = medium_pp(schedule, 4)
-    mesh = make_mesh(cfg, jax.devices()[:4])
     d, f, tokens = cfg.model.d_model, cfg.model.d_ff, 2 * cfg.model.seq_len
     inputs = tokens * (6 * d + f) * 4  # q, k, v, o, gate, up read d wide, down d_ff; one layer per chunk
 
-    def cost():
-        compiled, _ = lower_step(cfg, mesh)
-        return compiled.cost_analysis()["bytes accessed"], compiled.memory_analysis().temp_size_in_bytes
-
-    (on, temp_on) = cost()
+    (on, temp_on) = step_costs(cfg)
     monkeypatch.setattr(pipeline, "STASH_MATMUL_INPUTS", False)
-    (off, temp_off) = cost()
+    (off, temp_off) = step_costs(cfg)
     assert off - on > 2 * inputs, (on, off, inputs)
     assert temp_on <= temp_off, (temp_on, temp_off)
 
