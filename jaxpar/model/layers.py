@@ -222,6 +222,12 @@ class Sequence(NamedTuple):
     groups: tuple[tuple[int, ...], ...] | None = None
     """The groups of `data` ranks whose tokens are parts of the same sequences (context
     parallelism: per-sequence sums, such as an MoE router's loads, add over a group), or None."""
+    whole: Callable | None = None
+    """`whole(x)`: x [B, T, ...] of this rank's tokens gathered into their whole sequences
+    [B, c·T, ...], in sequence order (context parallelism: over the group), or None."""
+    own: Callable | None = None
+    """`own(x)`: this rank's tokens [B, T, ...] of whole sequences [B, c·T, ...] (`whole`'s inverse
+    on this rank), or None."""
 
 
 _SEQUENCE: contextvars.ContextVar[Sequence | None] = contextvars.ContextVar("jaxpar_sequence", default=None)

@@ -117,18 +117,29 @@ def layout(cfg: Config, inputs_BxT: jax.Array, d: int, eos: int | None) -> Seque
     mine = table[j]  # [2L]
     segments = segments_all = None
     pos = jnp.broadcast_to(mine[None], inputs_BxT.shape)
+    whole = functools.partial(_whole, c=c, L=L, groups=grp)
     if eos is not None:
         from jaxpar.model.transformer import token_ids
 
-        gathered = jax.lax.all_gather(token_ids(inputs_BxT), DATA, axis=1, tiled=True, axis_index_groups=grp)
-        whole = gathered[:, np.argsort(positions(c, L).reshape(-1))]  # [B, T] in the sequence's order
-        seg_whole = document_segments(whole, eos)
+        seg_whole = document_segments(whole(token_ids(inputs_BxT)), eos)
         segments, pos = seg_whole[:, mine], document_positions(seg_whole)[:, mine]
         segments_all = seg_whole[:, table.reshape(-1)]  # in the all-gather's order
     kind = cfg.parallel.context_attention
     attend = functools.partial(_all_gather if kind == "all_gather" else _ring, c=c, j=j, groups=grp, L=L,
                                segments=segments, segments_all=segments_all, seg_whole=None if eos is None else seg_whole)
-    return Sequence(pos, segments, attend, tuple(map(tuple, grp)))
+    return Sequence(pos, segments, attend, tuple(map(tuple, grp)), whole, functools.partial(_own, c=c, L=L))
+
+
+def _whole(x, *, c, L, groups):
+    """x [B, 2L, ...] of this rank's tokens gathered over its group into whole sequences
+    [B, 2cL, ...] in order."""
+    gathered = jax.lax.all_gather(x, DATA, axis=1, tiled=True, axis_index_groups=groups)
+    return gathered[:, np.argsort(positions(c, L).reshape(-1))]
+
+
+def _own(x, *, c, L):
+    """This context rank's tokens [B, 2L, ...] of whole sequences [B, 2cL, ...]."""
+    return jnp.take(x, jnp.asarray(positions(c, L))[jax.lax.axis_index(DATA) % c], axis=1)
 
 
 def _tiles(L: int) -> tuple[int, int]:
@@ -139,10 +150,52 @@ def _tiles(L: int) -> tuple[int, int]:
 
 def _all_gather(q, k, v, cfg, *, c, j, groups, L, segments, segments_all, seg_whole):
     b, m = _tiles(L)
-    gather = lambda x: jax.lax.all_gather(x, DATA, axis=1, tiled=True, axis_index_groups=groups)  # noqa: E731
+    K = k.shape[2]
+    B, T, N, H = q.shape
     table = jnp.asarray(positions(c, L))
     mask = ta.Mask(table[j], table.reshape(-1), segments, segments_all)
-    return ta.attention(q, gather(k), gather(v), mask, pairs=jnp.asarray(gather_pairs(c, m))[j], block=b)
+    o = _gathered_attention(ta.heads_major(q, K), ta.kv_heads_major(k), ta.kv_heads_major(v),
+                            _Static(c, tuple(map(tuple, groups)), b, 1.0 / float(H) ** 0.5),
+                            (mask, jnp.asarray(gather_pairs(c, m))[j]))
+    return jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
+
+
+def _gather(x, groups):
+    """Heads-major K or V [B, K, 2L, H] of this rank, all-gathered over its group: [B, K, 2cL, H]."""
+    return jax.lax.all_gather(x, DATA, axis=2, tiled=True, axis_index_groups=[list(g) for g in groups])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gathered_attention(q, k, v, static, aux):
+    c, groups, b, scale = static
+    mask, pairs = aux
+    return ta.forward(q, _gather(k, groups), _gather(v, groups), mask, pairs, b, scale)[0].astype(q.dtype)
+
+
+def _gathered_attention_fwd(q, k, v, static, aux):
+    # Saves this rank's K and V, not the gathered ones: the backward gathers them again (as
+    # TransformerEngine's all-gather context parallelism does), so the whole sequence's K and V is
+    # held one layer at a time, not once per layer until the backward reaches it.
+    c, groups, b, scale = static
+    mask, pairs = aux
+    o, lse = ta.forward(q, _gather(k, groups), _gather(v, groups), mask, pairs, b, scale)
+    o = o.astype(q.dtype)
+    return o, (q, k, v, o, lse, aux)
+
+
+def _gathered_attention_bwd(static, res, do):
+    c, groups, b, scale = static
+    q, k, v, o, lse, (mask, pairs) = res
+    dq, dk, dv = ta.backward(q, _gather(k, groups), _gather(v, groups), do, lse, ta.delta_of(o, do), mask, pairs,
+                             b, scale)
+    # The cotangents of the whole K and V go home reduce-scattered in their dtype (the all-gather's
+    # transpose: the bytes the planner and inspector count).
+    scatter = lambda x, like: jax.lax.psum_scatter(x.astype(like.dtype), DATA, scatter_dimension=2, tiled=True,  # noqa: E731
+                                                   axis_index_groups=[list(g) for g in groups])
+    return dq.astype(q.dtype), scatter(dk, k), scatter(dv, v), None
+
+
+_gathered_attention.defvjp(_gathered_attention_fwd, _gathered_attention_bwd)
 
 
 def _ring(q, k, v, cfg, *, c, j, groups, L, segments, segments_all, seg_whole):
@@ -153,13 +206,13 @@ def _ring(q, k, v, cfg, *, c, j, groups, L, segments, segments_all, seg_whole):
     B, T, N, H = q.shape
     segs = None if seg_whole is None else jnp.stack([seg_whole[:, table[r]] for r in range(c)])  # [c, B, 2L]
     o = _ring_attention(ta.heads_major(q, K), ta.kv_heads_major(k), ta.kv_heads_major(v),
-                        _RingStatic(c, tuple(map(tuple, groups)), b, 1.0 / float(H) ** 0.5),
+                        _Static(c, tuple(map(tuple, groups)), b, 1.0 / float(H) ** 0.5),
                         (j, table, segs, jnp.asarray(own), jnp.asarray(steps)))
     return jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
 
 
-class _RingStatic(tuple):
-    """(c, groups, tile, scale): what the ring's custom VJP takes as static."""
+class _Static(tuple):
+    """(c, groups, tile, scale): what the context attentions' custom VJPs take as static."""
 
     def __new__(cls, c, groups, block, scale):
         return super().__new__(cls, (c, groups, block, scale))

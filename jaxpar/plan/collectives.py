@@ -136,9 +136,10 @@ def context_collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collec
     consecutive data ranks, per layer and microbatch, blk = `context_block`:
 
     - `all_gather`: K and V all-gathered in the forward (result c·blk each; each device receives
-      (c − 1)·blk), their cotangents reduce-scattered in the backward (result blk each, the same
-      received); remat `full` gathers again in the recomputed forward. The forward gathers feed the
-      attention at once: exposed; the backward's scatters run beside the layer's remaining backward.
+      (c − 1)·blk) and again in the backward (the forward saves the rank's own K and V only), their
+      cotangents reduce-scattered in the backward (result blk each, the same received); remat
+      `full` gathers again in the recomputed forward. The gathers feed the attention at once:
+      exposed; the backward's scatters run beside the layer's remaining backward.
     - `ring`: (K, V) passed c − 1 hops forward, and in the backward c − 1 hops of (K, V) and c of
       (dK, dV) (the last takes them home), each a permute of blk; remat `full` hops again in the
       recomputed forward. Each hop runs beside the tile computation of the block in hand:
@@ -156,7 +157,7 @@ def context_collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collec
     L, micro = m.n_layers // p, par.microbatches
     forwards = 1 + (par.remat == "full")
     if par.context_attention == "all_gather":
-        out = [Collective("all-gather", ("data",), c * blk, 2 * L * micro * forwards, group=c),
+        out = [Collective("all-gather", ("data",), c * blk, 2 * L * micro * (forwards + 1), group=c),
                Collective("reduce-scatter", ("data",), blk, 2 * L * micro, overlap=True, group=c)]
     else:
         hops = 2 * (c - 1) * forwards + 2 * (c - 1) + 2 * c

@@ -385,18 +385,15 @@ def _context_activations(cfg: Config, m_act, rows: int, t: int, sp: bool, shape)
     T/c tokens (the same tokens as a data rank's) through the model, attention traced on one
     device at T/c (tiled past 512 tokens, as the context's attention always is; below, XLA's
     lse attention, which saves the same q, k, v, output and log-sum-exp). What the context's
-    attention holds beyond, per layer: `all_gather` saves the gathered K and V (c·blk each) in
-    place of the rank's own (remat `none`; a policy that remats the layer gathers again), and
-    holds them while a layer's attention runs forward or backward (in the working set); `ring`
-    holds the block in hand and the one arriving, and in the backward their dK and dV (4·blk)."""
+    attention holds beyond, per layer: `all_gather` the gathered K and V (c·blk each) while a
+    layer's attention runs forward or backward (in the working set; it saves the rank's own and
+    gathers again in the backward); `ring` the block in hand and the one arriving, and in the
+    backward their dK and dV (4·blk)."""
     c, kind = cfg.parallel.context, cfg.parallel.context_attention
     act = _activations(dataclasses.replace(m_act, seq_len=m_act.seq_len // c), rows, t, sp,
                        cfg.parallel.remat, True, False)
     blk = context_block(cfg, shape)
     if kind == "all_gather":
-        if cfg.parallel.remat == "none":
-            act["layers"] += 2 * (c - 1) * blk * m_act.n_layers
-            act["layer_saved"] += 2 * (c - 1) * blk
         act["layer_backward"] += 2 * (c - 1) * blk
     else:
         act["layer_backward"] += 4 * blk
