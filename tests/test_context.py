@@ -101,15 +101,31 @@ SLOW = {
 MOE = dict(n_experts=8, experts_per_token=2, expert_d_ff=16, router_aux_loss=0.1, router_z_loss=0.01)
 
 
-@pytest.mark.parametrize("c,kind", [(2, "all_gather"), pytest.param(4, "ring", marks=pytest.mark.slow)])
-def test_context_parallel_with_experts_matches_single_device(tiny, c, kind):
+# (c, attention, capacity factor, TP 2 with SP and whole experts routing each model rank's shard)
+EXPERT_CASES = [(2, "all_gather", None, False), (4, "ring", 0.5, False),
+                pytest.param(4, "ring", None, False, marks=pytest.mark.slow),
+                pytest.param(2, "all_gather", 0.5, True, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("c,kind,capacity,tp", EXPERT_CASES)
+def test_context_parallel_with_experts_matches_single_device(tiny, c, kind, capacity, tp):
     """An MoE model with its 8 experts over the 8 data ranks and each sequence over c of them:
     the router's load-balancing loss takes each sequence's loads from all its chunks (summed over
-    the context group), so the losses, the gradients and the routers' report equal one device's."""
-    ref = _REFERENCES.get("moe") or _REFERENCES.setdefault("moe", run_reference(_cfg(tiny, model=MOE)))
-    out = run_steps(_cfg(tiny, model=MOE, mesh={"data": 8}, parallel=_cp(c, kind)))
+    the context group), so the losses, the gradients and the routers' report equal one device's.
+    In capacity mode an expert's queue runs over the whole sequence as on one device, although a
+    rank's two chunks come from its two ends: the same assignments are dropped (some are). With
+    TP and SP and whole experts, a model rank routes its piece of its data rank's chunks."""
+    model = {**MOE, "capacity_factor": capacity}
+    key = ("moe", capacity)
+    ref = _REFERENCES.get(key) or _REFERENCES.setdefault(key, run_reference(_cfg(tiny, model=model)))
+    mesh, parallel = {"data": 8}, _cp(c, kind)
+    if tp:
+        mesh, parallel = {"data": 4, "model": 2}, {**parallel, "sequence_parallel": True, "expert_tensor_parallel": False}
+    out = run_steps(_cfg(tiny, model=model, mesh=mesh, parallel=parallel))
     assert_parity(out, ref)
     assert out["moe"].shape[1] > 0
+    if capacity is not None:
+        assert np.all(ref["moe"][:, 1] > 0), ref["moe"]  # moe_dropped (the report's keys are sorted)
 
 
 def _run(tiny, case):
@@ -161,8 +177,6 @@ def test_context_parallel_step_does_the_causal_work_split_evenly(tiny, monkeypat
     ({"parallel": {"context": 4}, "model": {"seq_len": 12}}, r"model.seq_len = 12 is not divisible by 2 x parallel.context = 8"),
     ({"parallel": {"context": 2, "context_attention": "ring"}, "mesh": {"data": 4, "stage": 2}},
      r"parallel.context_attention = ring cannot be combined with mesh.stage = 2"),
-    ({"parallel": {"context": 2}, "model": {"n_experts": 8, "experts_per_token": 2, "capacity_factor": 1.0}},
-     r"model.capacity_factor = 1.0 cannot be combined with parallel.context = 2"),
     ({"parallel": {"context": 2}, "model": {"dtype": "bfloat16"}},
      r"all_gather with model.dtype = bfloat16 does not compile on XLA:CPU.*context_attention=ring"),
     ({"parallel": {"context": 2, "data_mode": "naive"}}, r"parallel.data_mode = naive cannot be combined"),

@@ -164,8 +164,6 @@ def validate(cfg: Config) -> None:
                 f"cut into {2 * c} chunks, two per context rank); set model.seq_len to a multiple of {2 * c}.")
         for key, value, ok, why in (
                 ("parallel.data_mode", par.data_mode, "ddp", "the naive baseline step has no context ranks"),
-                ("model.capacity_factor", m.capacity_factor, None, "capacity mode queues a sequence's assignments in "
-                                                                   "order, which the zigzag's chunks are not"),
                 ("model.attention", m.attention, "auto", "context-parallel attention runs the tiled kernel")):
             require(value == ok or (key == "model.attention" and value == "xla_lse"),
                     f"{key} = {value} cannot be combined with parallel.context = {c} ({why}); set {key}={ok}, "

@@ -154,10 +154,11 @@ class MoE(nnx.Module):
         # computed from them, is typed as it is; the cast's transpose sums it over those axes.)
         axes = (*varying_axes(logits_BxTxE), *varying_axes(self.router_stats[...]))
         layout = sequence()  # (context parallelism: the sequence's other chunks are on other data ranks)
+        context = None if layout is None or layout.groups is None else (layout.groups, layout.whole, layout.own)
         logits_BxTxE = _router_losses(vary(logits_BxTxE, axes), vary(self.router_stats[...], axes), bias, cfg, weight,
-                                      shards, None if layout is None else layout.groups)
+                                      shards, context)
         gates_BxTxK, experts_BxTxK = route(cfg, logits_BxTxE, bias)
-        keep_BxTxK = keep_mask(cfg, experts_BxTxK, shards) if cfg.capacity_factor is not None else None
+        keep_BxTxK = keep_mask(cfg, experts_BxTxK, shards, context) if cfg.capacity_factor is not None else None
         x_NxD = x_BxTxD.reshape(B * T, D)
         weights = (self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt))
         experts_NxK = experts_BxTxK.reshape(B * T, k)
@@ -167,7 +168,7 @@ class MoE(nnx.Module):
             weights = (own_expert(weights[0], d, 1), own_expert(weights[1], d, 1), own_expert(weights[2], d, 2))
             groups = replica_groups(E, d)
         if weights[0].shape[0] < E:  # this data rank holds E / d of the experts: expert parallelism
-            rows = buffer_rows(cfg, B, T, shards, weights[0].shape[0])
+            rows = buffer_rows(cfg, B, T, shards * (1 if context is None else len(context[0][0])), weights[0].shape[0])
             keep = None if keep_BxTxK is None else keep_BxTxK.reshape(B * T, k)
             y_NxD = experts_parallel(x_NxD, experts_NxK, gates_BxTxK.reshape(B * T, k).astype(dt), keep, *weights,
                                      n_experts=E, rows=rows, groups=groups)
@@ -212,7 +213,8 @@ def route(cfg: ModelConfig, logits_BxTxE: jax.Array, bias: jax.Array | None) -> 
 
 def buffer_rows(cfg: ModelConfig, B: int, T: int, shards: int, local_experts: int) -> int:
     """Rows of expert parallelism's fixed send buffer per destination rank (`experts_parallel`),
-    for B sequences of T tokens routed on this rank (`shards` sequence shards per sequence):
+    for B sequences of T tokens routed on this rank (`shards` sequence shards per sequence, over
+    `model` and context ranks):
     the worst case, every token's choices on that rank's `local_experts` experts, or in capacity
     mode every one of them full in every sequence. (The planner counts the same bytes.)"""
     rows = B * T * min(cfg.experts_per_token, local_experts)
@@ -226,11 +228,25 @@ def capacity(cfg: ModelConfig, seq_len: int) -> int:
     return math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token / cfg.n_experts)
 
 
-def keep_mask(cfg: ModelConfig, experts_BxTxK: jax.Array, shards: int = 1) -> jax.Array:
+def keep_mask(cfg: ModelConfig, experts_BxTxK: jax.Array, shards: int = 1, context=None) -> jax.Array:
     """1 where an assignment fits its expert's capacity in its sequence, else 0 (float32). The
     assignments queue choice-major: every token's first choice, in sequence order, then every
     second choice, and so on. With the sequence split into `shards` (this rank's tokens are one
-    shard), the queue runs over the whole sequence: the counts of the other shards are gathered."""
+    shard), the queue runs over the whole sequence: the counts of the other shards are gathered.
+    With context parallelism (`context`: the layout's groups, `whole` and `own`) a rank's tokens
+    are chunks from across the sequence: the group's choices (int32, k per token) are gathered
+    into whole sequences, queued as on one device, and this rank's tokens taken back."""
+    if context is not None:
+        _, whole, own = context
+        row = experts_BxTxK
+        if shards > 1:  # this model rank's piece of its data rank's tokens: the whole row first
+            every = gather_sequence_shards(row)  # [shards, B, T / shards, k]
+            row = jnp.moveaxis(every, 0, 1).reshape(row.shape[0], -1, row.shape[2])
+        keep = own(keep_mask(cfg, whole(row)))
+        if shards > 1:
+            n = experts_BxTxK.shape[1]
+            keep = jax.lax.dynamic_slice_in_dim(keep, sequence_shard_index() * n, n, axis=1)
+        return keep
     B, T, k = experts_BxTxK.shape
     onehot = jax.nn.one_hot(jnp.swapaxes(experts_BxTxK, 1, 2), cfg.n_experts, dtype=jnp.int32)  # [B, k, T, E]
     counts = jnp.sum(onehot, axis=2)  # [B, k, E]: this shard's assignments per choice and expert
@@ -435,18 +451,19 @@ def router_losses(cfg: ModelConfig, logits_BxTxE: jax.Array, bias: jax.Array | N
     """Per sequence [B]: the load-balancing loss, the z-loss, the dropped fraction, and the loads
     [B, E] (the fraction of the sequence's assignments each expert received). With the sequence
     split into `shards` over `model` (these logits are one shard's), and over the data ranks of
-    `context`'s groups (context parallelism, `layers.Sequence.groups`), each is this shard's share:
+    `context`'s groups (context parallelism: the layout's groups, `whole` and `own`), each is this
+    shard's share:
     the shards' values add up to the sequence's (the loss takes its loads from the whole sequence)."""
     E, k = cfg.n_experts, cfg.experts_per_token
     _, experts = route(cfg, jax.lax.stop_gradient(logits_BxTxE), bias)
-    c = 1 if context is None else len(context[0])
+    c = 1 if context is None else len(context[0][0])
     T = logits_BxTxE.shape[1] * shards * c
     counts_BxE = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.float32), axis=(1, 2))
     load_BxE = counts_BxE / (T * k)
     seq_counts = counts_BxE if shards == 1 else jnp.sum(gather_sequence_shards(counts_BxE), axis=0)
     if context is not None:  # the counts of the sequence's other chunks, on the group's other ranks
         # (An all-gather and a sum: jax's psum takes no axis_index_groups inside a shard_map.)
-        every = jax.lax.all_gather(seq_counts, "data", axis_index_groups=[list(g) for g in context])
+        every = jax.lax.all_gather(seq_counts, "data", axis_index_groups=[list(g) for g in context[0]])
         seq_counts = jnp.sum(every, axis=0)
     seq_load = seq_counts / (T * k)
     probs = (jax.nn.softmax(logits_BxTxE, axis=-1) if cfg.router == "softmax"
@@ -456,7 +473,7 @@ def router_losses(cfg: ModelConfig, logits_BxTxE: jax.Array, bias: jax.Array | N
     if cfg.capacity_factor is None:
         dropped = jnp.zeros_like(aux)
     else:
-        dropped = jnp.sum(1.0 - keep_mask(cfg, experts, shards), axis=(1, 2)) / (T * k)
+        dropped = jnp.sum(1.0 - keep_mask(cfg, experts, shards, context), axis=(1, 2)) / (T * k)
     return aux, z, dropped, load_BxE
 
 
