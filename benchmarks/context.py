@@ -4,14 +4,14 @@ On 8 simulated CPU devices, a small llama (2 layers, d_model 256, 8 heads over 4
 float32, remat none), one compile per configuration, nothing run:
 
 1. **Memory per device** (XLA's temp bytes: the activations and transients, and the step's
-   fixed part, the gradients and the optimizer's update, measured alone as the temp bytes of a
-   16-token step; parameters and optimizer state are arguments): a 4,096-token sequence on one
+   fixed part, the gradients, their reduction and the optimizer's update, measured alone as the
+   temp bytes of the same layout's 16-token step; parameters and optimizer state are arguments): a 4,096-token sequence on one
    device against the same sequence split over c = 8 data ranks (all_gather and ring); and at
    equal tokens per device, a 512-token sequence on one device against the 4,096-token one over
    c = 8. Activation memory = temp − the fixed part.
 2. **Context bytes per layer** on `data`, from the compiled step's collectives (loop trips
-   counted): all-gather (forward, K and V) and reduce-scatter (their cotangents) against
-   2 · (c − 1)/c · seq · d_kv · bytes; ring's collective-permutes against the same bytes in c − 1
+   counted): all-gather (K and V, forward and again in the backward) and reduce-scatter (their
+   cotangents) against 2 · (c − 1)/c · seq · d_kv · bytes; ring's collective-permutes against the same bytes in c − 1
    steps (forward), and the backward's K, V and dK, dV hops.
 3. **The longest sequence that fits** 8 devices with 24 GiB in all (3 GiB each: arguments +
    outputs + temporaries − aliased), c = 8 against c = 1 (one sequence per device), by doubling
@@ -103,26 +103,33 @@ def main() -> int:
 
     T, c = 4096, 8
     d_kv = MODEL["n_kv_heads"] * MODEL["d_model"] // MODEL["n_heads"]
-    fixed = memory(config(2 * c, 1, 1))["temp_bytes"]  # 16 tokens: the gradients and the update, next to no activations
-    mem = {"whole_4096_one_device": memory(config(T, 1, 1)),
-           "tokens_512_one_device": memory(config(T // c, 1, 1))}
-    for kind in ("all_gather", "ring"):
-        mem[f"{kind}_4096_c8"] = memory(config(T, 8, c, kind))
-    for m in mem.values():
-        m["activation_bytes"] = m["temp_bytes"] - fixed
+    # The fixed part of each layout, its temp bytes at 2c tokens (the gradients and the update, next
+    # to no activations): on 8 data ranks it holds the gradient reduction's buffers as well.
+    fixed = {(1, 1, "all_gather"): memory(config(2 * c, 1, 1))["temp_bytes"],
+             **{(8, c, kind): memory(config(2 * c, 8, c, kind))["temp_bytes"] for kind in ("all_gather", "ring")}}
+    layouts = {"whole_4096_one_device": (T, 1, 1, "all_gather"), "tokens_512_one_device": (T // c, 1, 1, "all_gather"),
+               **{f"{kind}_4096_c8": (T, 8, c, kind) for kind in ("all_gather", "ring")}}
+    mem = {}
+    for name, (seq, data, cc, kind) in layouts.items():
+        mem[name] = memory(config(seq, data, cc, kind))
+        mem[name]["fixed_temp_bytes"] = fixed[data, cc, kind]
+        mem[name]["activation_bytes"] = mem[name]["temp_bytes"] - fixed[data, cc, kind]
     whole, equal = mem["whole_4096_one_device"]["activation_bytes"], mem["tokens_512_one_device"]["activation_bytes"]
     formula = 2 * (c - 1) / c * T * d_kv * 4
     nbytes = {kind: context_bytes(config(T, 8, c, kind)) for kind in ("all_gather", "ring")}
     result = {"command": command("context.py"), "machine": machine_info(), "model": MODEL, "seq_len": T,
-              "context": c, "fixed_temp_bytes": fixed, "memory": mem, "context_bytes_per_layer": nbytes,
+              "context": c, "memory": mem, "context_bytes_per_layer": nbytes,
               "formula_bytes_per_layer": formula}
-    rows = [f"Fixed temp (a 16-token step: gradients, the update): {mib(fixed)} MiB; activation = temp − fixed.", "",
-            "| configuration | temp MiB | activation MiB | vs whole sequence | vs 512 tokens on one device |",
-            "|---|---|---|---|---|"]
+    rows = ["Activation = temp − the layout's fixed temp (its step at 2c = 16 tokens: the gradients, their "
+            "reduction over data, the update).", "",
+            "| configuration | temp MiB | fixed MiB | activation MiB | vs whole sequence | vs 512 tokens on one device |",
+            "|---|---|---|---|---|---|"]
     for name, m in mem.items():
         a = m["activation_bytes"]
-        rows.append(f"| {name} | {mib(m['temp_bytes'])} | {mib(a)} | {a / whole:.3f} | {a / equal:.3f} |")
-    rows += ["", f"Context bytes per layer received per device (formula 2·(c−1)/c·seq·d_kv·bytes = {formula:,.0f}):", "",
+        rows.append(f"| {name} | {mib(m['temp_bytes'])} | {mib(m['fixed_temp_bytes'])} | {mib(a)} | {a / whole:.3f} | "
+                    f"{a / equal:.3f} |")
+    rows += ["", f"Context bytes per layer received per device (formula 2·(c−1)/c·seq·d_kv·bytes = {formula:,.0f}; "
+             "all_gather gathers K and V twice, in the forward and again in the backward):", "",
              "| kind | all-gather | reduce-scatter | collective-permute | ops per layer (ag, rs, cp) |", "|---|---|---|---|---|"]
     for kind, b in nbytes.items():
         rows.append(f"| {kind} | {b['all-gather']:,.0f} | {b['reduce-scatter']:,.0f} | {b['collective-permute']:,.0f} | "
