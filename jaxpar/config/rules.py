@@ -68,6 +68,20 @@ def _validate_moe(m: ModelConfig) -> None:
             f"model.moe_layers = {m.moe_layers} does not fit model.n_layers = {m.n_layers}: the layers after the "
             f"{K} dense ones must be whole groups of {N} (each ending in its MoE layer), at least one; change "
             "n_layers or the pattern.")
+    if m.moe:
+        E, G, K = m.n_experts, m.router_groups, m.router_topk_groups
+        require(G >= 1 and E % G == 0 and (G == 1 or E // G >= 2),
+                f"model.router_groups = {G} must divide model.n_experts = {E} into groups of at least 2 experts "
+                "(a group is scored by its two best); set router_groups to a divisor of n_experts up to "
+                f"{E // 2}, or 1 for no groups.")
+        require(1 <= K <= G, f"model.router_topk_groups = {K} must lie in 1 .. model.router_groups = {G} (a token "
+                             f"routes within that many of the groups); set router_topk_groups to at most {G}.")
+        require(m.experts_per_token <= K * (E // G),
+                f"model.experts_per_token = {m.experts_per_token} exceeds the {K * (E // G)} experts of "
+                f"model.router_topk_groups = {K} groups of {E // G}; raise router_topk_groups or lower "
+                "experts_per_token.")
+        require(m.router_scaling > 0, f"model.router_scaling = {m.router_scaling} must be positive; set it to 1 "
+                                      "(no scaling) or DeepSeek-V3's 2.5.")
     for key in ("router_aux_loss", "router_z_loss", "router_bias_rate"):
         require(getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must not be negative; set it to 0 to "
                                       "turn it off.")

@@ -119,6 +119,16 @@ class ModelConfig:
     auxiliary-loss-free balancing)."""
     router_norm_topk: bool = True
     """MoE: divide each token's top-k weights by their sum (Mixtral, Qwen3-MoE, DeepSeek-V3)."""
+    router_groups: int = 1
+    """MoE: experts form this many groups of consecutive ids (DeepSeek-V3's n_group: 8); with more
+    than one, each token first keeps its router_topk_groups best groups, a group scored by the sum of
+    its two best experts' choice scores (score + bias under sigmoid_bias), and picks its top-k
+    experts inside them. 1: no groups."""
+    router_topk_groups: int = 1
+    """MoE: groups each token may route to when router_groups > 1 (DeepSeek-V3's topk_group: 4)."""
+    router_scaling: float = 1.0
+    """MoE: each token's expert weights multiplied by this after any renormalisation (DeepSeek-V3's
+    routed_scaling_factor: 2.5)."""
     router_aux_loss: float = 0.01
     """MoE: coefficient of the load-balancing loss (Switch / GShard form, per sequence:
     n_experts x sum_e load_e x mean probability_e), averaged over sequences and summed over layers."""

@@ -248,8 +248,8 @@ def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
 
 
 _MATCHED = ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "head_size", "n_experts", "experts_per_token",
-            "expert_width", "n_shared_experts", "router", "router_norm_topk", "moe_pattern", "d_ff", "vocab_size",
-            "norm_eps", "tied", "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rope_factor",
+            "expert_width", "n_shared_experts", "router", "router_norm_topk", "router_groups", "router_topk_groups",
+            "router_scaling", "moe_pattern", "d_ff", "vocab_size", "norm_eps", "tied", "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rope_factor",
             "rope_low_freq_factor", "rope_high_freq_factor", "rope_context", "rope_beta_fast", "rope_beta_slow",
             "rope_truncate", "rope_attention_factor")
 # Keys compared as the model uses them, set through another field (null there: derived from others).
@@ -295,7 +295,7 @@ def check_matches(cfg: ModelConfig, folder: str) -> ModelConfig:
         if key == "d_ff" and hf_cfg.moe and not hf_cfg.mixed:  # every MLP is MoE: d_ff is unused
             return False
         if key in ("experts_per_token", "expert_width", "n_shared_experts", "router", "router_norm_topk",
-                   "moe_pattern") and not hf_cfg.moe:  # both dense (n_experts matched): the MoE keys are unused
+                   "router_groups", "router_topk_groups", "router_scaling", "moe_pattern") and not hf_cfg.moe:  # both dense (n_experts matched): the MoE keys are unused
             return False
         return True
 

@@ -84,6 +84,10 @@ def family(cfg: ModelConfig) -> str:
                   "neither has shared experts: export a model with n_shared_experts=0")
     refuse_family(cfg.router == "softmax", f"model.router = {cfg.router}",
                   "both route by softmax: export a model with router=softmax")
+    refuse_family(cfg.router_groups == 1, f"model.router_groups = {cfg.router_groups}",
+                  "neither groups its experts: export a model with router_groups=1")
+    refuse_family(cfg.router_scaling == 1.0, f"model.router_scaling = {cfg.router_scaling}",
+                  "neither scales the expert weights: export a model with router_scaling=1")
     refuse_family(not cfg.qkv_bias, "model.qkv_bias with model.n_experts",
                   "neither has q, k, v biases: export a model with qkv_bias=false")
     refuse_family(cfg.qk_norm or cfg.router_norm_topk, "model.router_norm_topk = false without model.qk_norm",

@@ -197,18 +197,35 @@ def cfg_dtype(cfg: ModelConfig):
 
 
 def route(cfg: ModelConfig, logits_BxTxE: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """(gates [B, T, k] float32, expert ids [B, T, k] int32) of each token's top-k experts."""
+    """(gates [B, T, k] float32, expert ids [B, T, k] int32) of each token's top-k experts: chosen
+    by score (softmax probability; or sigmoid score + the balancing bias, which decides the choice
+    only, not the weights: DeepSeek-V3), within the token's best `router_topk_groups` groups when
+    experts are grouped (`limit_to_groups`); weighted by score, renormalised
+    (`router_norm_topk`) and scaled by `router_scaling`."""
     k = cfg.experts_per_token
-    if cfg.router == "softmax":
-        probs = jax.nn.softmax(logits_BxTxE, axis=-1)
-        gates, experts = jax.lax.top_k(probs, k)
-    else:  # sigmoid scores; the bias decides the choice only, not the weights (DeepSeek-V3)
-        scores = jax.nn.sigmoid(logits_BxTxE)
-        _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), k)
-        gates = jnp.take_along_axis(scores, experts, axis=-1)
+    scores = jax.nn.softmax(logits_BxTxE, axis=-1) if cfg.router == "softmax" else jax.nn.sigmoid(logits_BxTxE)
+    choice = scores if cfg.router == "softmax" else scores + jax.lax.stop_gradient(bias)
+    _, experts = jax.lax.top_k(limit_to_groups(cfg, choice), k)
+    gates = jnp.take_along_axis(scores, experts, axis=-1)
     if cfg.router_norm_topk:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    return gates, experts
+    return gates * cfg.router_scaling if cfg.router_scaling != 1.0 else gates, experts
+
+
+def limit_to_groups(cfg: ModelConfig, choice_BxTxE: jax.Array) -> jax.Array:
+    """DeepSeek-V3's group-limited routing: the experts are `router_groups` groups of consecutive
+    ids, a group scored by the sum of its two best choice scores; outside a token's best
+    `router_topk_groups` groups the choice scores become −inf, so its top-k lies inside them.
+    Unchanged with one group."""
+    G = cfg.router_groups
+    if G == 1:
+        return choice_BxTxE
+    *lead, E = choice_BxTxE.shape
+    grouped = choice_BxTxE.reshape(*lead, G, E // G)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [..., G]
+    _, best = jax.lax.top_k(group_scores, cfg.router_topk_groups)
+    keep = jnp.sum(jax.nn.one_hot(best, G, dtype=jnp.int32), axis=-2) > 0  # [..., G]
+    return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice_BxTxE.shape)
 
 
 def buffer_rows(cfg: ModelConfig, B: int, T: int, shards: int, local_experts: int) -> int:
