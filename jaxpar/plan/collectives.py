@@ -133,21 +133,30 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
 
 def context_collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     """Context parallelism's collectives over `data` (`jaxpar.parallel.context`), in groups of c
-    consecutive data ranks, per layer and microbatch, blk = `context_block`:
+    consecutive data ranks, per layer (of this device's stage: n_layers / p) and microbatch,
+    blk = `context_block`:
 
     - `all_gather`: K and V all-gathered in the forward (result c·blk each; each device receives
       (c − 1)·blk) and again in the backward (the forward saves the rank's own K and V only), their
-      cotangents reduce-scattered in the backward (result blk each, the same received); remat
-      `full` gathers again in the recomputed forward. The gathers feed the attention at once:
+      cotangents reduce-scattered in the backward (result blk each, the same received). Remat
+      `full`'s recomputed forward gathers the same K and V as the backward: XLA keeps one
+      (measured: the same bytes as remat `none`). The gathers feed the attention at once:
       exposed; the backward's scatters run beside the layer's remaining backward.
     - `ring`: (K, V) passed c − 1 hops forward, and in the backward c − 1 hops of (K, V) and c of
-      (dK, dV) (the last takes them home), each a permute of blk; remat `full` hops again in the
-      recomputed forward. Each hop runs beside the tile computation of the block in hand:
-      overlappable (`overlap`).
+      (dK, dV) (the last takes them home), each a permute of blk (remat `full`'s recomputed hops
+      are the backward's (K, V) hops: one kept, measured). Each hop runs beside the tile computation of the block in hand:
+      overlappable (`overlap`). (Refused under a pipeline.)
+    - MoE (`jaxpar.model.moe`): per MoE layer and microbatch, in the backward, the router's
+      per-sequence expert counts (float32 [B·c/(d·m), E]) all-gathered over the group
+      (`router_losses`: result c x that); in capacity mode, the forward and the backward's report
+      gather the group's expert choices (int32, k per token) into whole sequences (`keep_mask`:
+      result B·c/(d·m) x T x k x 4 bytes; remat `full`'s recomputed one is the backward's).
 
     With `data.document_mask` the int32 token ids [B_loc, T] are all-gathered once per microbatch.
     (The all-to-alls cutting the batch into the ranks' zigzag chunks, a few bytes per token, are
-    left out.)"""
+    left out.) Under a pipeline these sit in the tick's action branches, which the HLO states once
+    per tick each (`Collective.static`): F's forward, and each backward branch (B, or a split
+    table's I); a layer scan of the chunk's n_layers / (p·v) layers (measured: 1F1B, ZB-H1)."""
     d, p, t = shape
     m, par = cfg.model, cfg.parallel
     c = par.context
@@ -155,16 +164,37 @@ def context_collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collec
         return []
     blk = context_block(cfg, shape)
     L, micro = m.n_layers // p, par.microbatches
-    forwards = 1 + (par.remat == "full")
-    if par.context_attention == "all_gather":
-        out = [Collective("all-gather", ("data",), c * blk, 2 * L * micro * (forwards + 1), group=c),
-               Collective("reduce-scatter", ("data",), blk, 2 * L * micro, overlap=True, group=c)]
+    seqs = cfg.train.global_batch * c // (d * micro)  # a microbatch's sequences on a device
+    moe_layers = _moe_layers(cfg, L)
+    if p > 1:
+        sched, table = _schedule(cfg, p)
+        # Per tick, the layers of one chunk: F's forward and each backward branch's (B, or I).
+        per_tick = sched.num_ticks() / par.virtual_stages
+        branches = _fused_b(par.schedule, p, micro, par.virtual_stages) + table.split
+
+        def static(fwd: int, bwd: int) -> float:
+            """How often the HLO states one run `fwd` times per layer in F, `bwd` in a backward."""
+            return per_tick * (fwd + branches * bwd)
     else:
-        hops = 2 * (c - 1) * forwards + 2 * (c - 1) + 2 * c
+        def static(fwd, bwd):
+            return None
+    if par.context_attention == "all_gather":
+        out = [Collective("all-gather", ("data",), c * blk, 4 * L * micro, group=c, static=static(2 * L, 2 * L)),
+               Collective("reduce-scatter", ("data",), blk, 2 * L * micro, overlap=True, group=c,
+                          static=static(0, 2 * L))]
+    else:
+        hops = 2 * (c - 1) + 2 * (c - 1) + 2 * c
         out = [Collective("collective-permute", ("data",), blk, hops * L * micro, overlap=True, group=c)]
+    if moe_layers:
+        # (The router's losses and report run in its backward only.)
+        out.append(Collective("all-gather", ("data",), c * seqs * m.n_experts * 4, moe_layers * micro, group=c,
+                              static=static(0, moe_layers)))
+        if m.capacity_factor is not None:
+            out.append(Collective("all-gather", ("data",), seqs * m.seq_len * m.experts_per_token * 4,
+                                  2 * moe_layers * micro, group=c, static=static(moe_layers, moe_layers)))
     if cfg.data.document_mask:
-        rows = cfg.train.global_batch * c // (d * micro)
-        out.append(Collective("all-gather", ("data",), rows * m.seq_len * 4, micro, group=c))
+        out.append(Collective("all-gather", ("data",), seqs * m.seq_len * 4, micro, group=c,
+                              static=static(par.virtual_stages, 0)))  # (F's, once a tick)
     return out
 
 

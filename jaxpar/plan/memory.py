@@ -275,9 +275,15 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         chunk = (chunk_model(m_act, slots) if slots is not None
                  else dataclasses.replace(m_act, n_layers=m.n_layers // (p * v)))
         layers = chunk.n_layers
+        # Under context parallelism (c > 1) a microbatch on a device is B·c/(d·m) sequences of
+        # T/c tokens (the same tokens as without it): its chunk's activations, the messages
+        # between stages and the taps are those rows' (`_context_activations`).
+        c = par.context
+        seqs, tokens = rows * c, m.seq_len // c
         # The last stage's chunk runs the head and the loss too: the most any stage saves.
-        act = _activations(chunk, rows, t, sp, par.remat, True, flash)
-        msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * _BYTES[m.dtype]
+        act = (_context_activations(cfg, chunk, seqs, t, sp, shape) if c > 1
+               else _activations(chunk, rows, t, sp, par.remat, True, flash))
+        msg = seqs * (tokens // t if sp else tokens) * m.d_model * _BYTES[m.dtype]
         # F stashes what B needs (the chunk's saved activations, less its parameters, and the
         # slot for the head's cotangent); with a split table, I writes each weight matmul's
         # input and output cotangent for W into that slot, over what it consumed, and what does
@@ -285,14 +291,14 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         f = moe_costs.moe_fraction(chunk)  # (per layer: a mixed model's mean of both kinds)
         width = (_tap_width(m, t, mlp=False) + f * moe_costs.tap_width(m, t, moe_costs.routes_sequence_shard(cfg, t))
                  + (1 - f) * (_tap_width(m, t) - _tap_width(m, t, mlp=False)))
-        taps = int(rows * m.seq_len * layers * width * _BYTES[m.dtype]) if table.split else 0
+        taps = int(seqs * tokens * layers * width * _BYTES[m.dtype]) if table.split else 0
         # Where F stashes the matmuls' inputs itself (in place of the pullbacks' copies), I writes
         # only the output cotangents (`pipeline.stashes_inputs`; an MoE layer's expert inputs
         # counted as written, a small overestimate).
         from jaxpar.parallel.pipeline import stashes_inputs
         if stashes_inputs(par.remat, table.split, _fused_b(par.schedule, p, par.microbatches, v),
                           slots is not None and slots.gather):
-            taps -= int(rows * m.seq_len * layers * (_tap_input_width(m, t, mlp=False)
+            taps -= int(seqs * tokens * layers * (_tap_input_width(m, t, mlp=False)
                                                      + (1 - f) * (_tap_input_width(m, t) - _tap_input_width(m, t, mlp=False)))
                         * _BYTES[m.dtype])
         homeless = max(0, taps - (act["layers"] + msg))
@@ -382,7 +388,8 @@ def context_block(cfg: Config, shape: tuple[int, int, int]) -> int:
 
 def _context_activations(cfg: Config, m_act, rows: int, t: int, sp: bool, shape) -> dict[str, int]:
     """`_activations` of a context-parallel rank (`parallel.context: c`): its `rows` = B·c/(d·m) sequences of
-    T/c tokens (the same tokens as a data rank's) through the model, attention traced on one
+    T/c tokens (the same tokens as a data rank's) through `m_act` (the model, or a pipeline
+    stage's chunk; an MoE layer's routing traced at T/c-token rows), attention traced on one
     device at T/c (tiled past 512 tokens, as the context's attention always is; below, XLA's
     lse attention, which saves the same q, k, v, output and log-sum-exp). What the context's
     attention holds beyond, per layer: `all_gather` the gathered K and V (c·blk each) while a

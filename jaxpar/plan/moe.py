@@ -94,12 +94,16 @@ def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
     destination rank of the exchange: every rank, or with replicas the E ranks of its group), up
     to d·min(k, E/d)/k times the (tokens on the device) x k x d_model of a ragged all-to-all; 4 per
     MoE layer of this device (MoE layers / stage) per microbatch, 2 more per recomputed forward.
-    (0, 0) without expert parallelism."""
+    `rows`: the device's B/(d·m) sequences; under context parallelism (c > 1) it routes B·c/(d·m)
+    rows of T/c tokens, each one of c·(model shards) shards of its sequence, as the step's
+    `buffer_rows` counts them. (0, 0) without expert parallelism."""
     d, p, t = shape
     m, par = cfg.model, cfg.parallel
     if not expert_parallel(cfg, d):
         return 0.0, 0
+    c = par.context
     seq, shards = (m.seq_len // t, t) if routes_sequence_shard(cfg, t) else (m.seq_len, 1)
+    rows, seq, shards = rows * c, seq // c, shards * c
     local = max(1, m.n_experts // d)
     ranks = m.n_experts // local  # of the exchange: d, or E with replicas
     volume = ranks * buffer_rows(m, rows, seq, shards, local) * m.d_model * act_size

@@ -129,7 +129,7 @@ def _context_rows(cfg: Config, shape) -> int:
     """Where the batch does not split over `data`, the sequences per device with the least
     context parallelism that splits it (B·c/data; 0 where none does)."""
     d = shape[0]
-    for c, _ in list(_contexts(cfg, shape))[1::2]:
+    for c in sorted({c for c, _ in _contexts(cfg, shape)} - {1}):
         if (cfg.train.global_batch * c) % d == 0:
             return cfg.train.global_batch * c // d
     return 0
@@ -158,18 +158,19 @@ def _variants(cfg: Config, shape: tuple[int, int, int], split, m: int | None = N
 
 def _contexts(cfg: Config, shape: tuple[int, int, int]):
     """Context parallelism's choices (`parallel.context` c, `parallel.context_attention`): none
-    (c 1), and where it is built and costed (no pipeline; no MoE: the step runs dropless MoE with
-    context parallelism, but the planner's MoE terms do not split a sequence yet) each c > 1
-    dividing the data axis with the sequence cut into 2c chunks, by all-gather and by ring."""
+    (c 1), and with `data_mode: ddp` each c > 1 dividing the data axis with the sequence cut into
+    2c chunks, by all-gather and by ring; under a pipeline by all-gather only (the step refuses
+    ring attention there). Dense and MoE models alike (the MoE terms route B·c/(d·m) rows of T/c
+    tokens; the router's and capacity mode's gathers over the group are costed)."""
     yield 1, "all_gather"
     d, p, _ = shape
-    m = cfg.model
-    if p > 1 or m.moe or cfg.parallel.data_mode != "ddp":
+    if cfg.parallel.data_mode != "ddp":
         return
     for c in _divisors(d)[1:]:
-        if m.seq_len % (2 * c) == 0:
+        if cfg.model.seq_len % (2 * c) == 0:
             yield c, "all_gather"
-            yield c, "ring"
+            if p == 1:
+                yield c, "ring"
 
 
 def _expert_parallel(cfg: Config, d: int) -> bool:
