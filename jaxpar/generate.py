@@ -31,6 +31,9 @@ def check_request(cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: i
     if cfg.block != "pre_norm":
         raise GenerateError(f"model.block = {cfg.block!r}: the KV-cache decode path knows the pre_norm block only; "
                             "sample from a pre_norm model.")
+    if cfg.mla:
+        raise GenerateError(f"model.kv_lora_rank = {cfg.kv_lora_rank}: the KV-cache decode path does not run "
+                            "multi-head latent attention yet; sample from a model without kv_lora_rank.")
     if len(prompt_ids) == 0:
         raise GenerateError("the prompt is empty; give at least one token of prompt.")
     bad = next((int(i) for i in prompt_ids if not 0 <= int(i) < cfg.vocab_size), None)

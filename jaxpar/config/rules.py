@@ -87,6 +87,37 @@ def _validate_moe(m: ModelConfig) -> None:
                                       "turn it off.")
 
 
+def _validate_mla(m: ModelConfig) -> None:
+    """Multi-head latent attention's keys (`model.kv_lora_rank` and the head widths)."""
+    given = [k for k in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if getattr(m, k) is not None]
+    if not m.mla:
+        require(not given, f"model.{given[0] if given else ''} is a key of multi-head latent attention, which "
+                           "model.kv_lora_rank turns on; set kv_lora_rank, or remove it.")
+        return
+    require(m.arch == "llama", f"model.kv_lora_rank = {m.kv_lora_rank} (multi-head latent attention) is a key of "
+                               f"the llama architecture (model.arch = {m.arch}); remove it for gpt2.")
+    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        require(getattr(m, key) is not None and getattr(m, key) > 0,
+                f"model.{key} = {getattr(m, key)} must be a positive width with model.kv_lora_rank = "
+                f"{m.kv_lora_rank} (multi-head latent attention); set it (DeepSeek-V3: 128, 64, 128).")
+    for key in ("kv_lora_rank", "q_lora_rank"):
+        require(getattr(m, key) is None or getattr(m, key) > 0,
+                f"model.{key} = {getattr(m, key)} must be positive; set a width (DeepSeek-V3: 512 and 1536).")
+    require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim = {m.qk_rope_head_dim} must be even for RoPE; "
+                                         "set an even width (DeepSeek-V3: 64).")
+    require(m.v_head_dim <= m.head_size,
+            f"model.v_head_dim = {m.v_head_dim} exceeds qk_nope_head_dim + qk_rope_head_dim = {m.head_size} (the "
+            "values are padded to the query and key width for the attention kernel); set v_head_dim to at most "
+            f"{m.head_size}.")
+    for key, value, why in (("n_kv_heads", m.n_kv_heads, "every head's keys and values come from the latent"),
+                            ("head_dim", m.head_dim, "the head widths are qk_nope_head_dim, qk_rope_head_dim and "
+                                                     "v_head_dim"),
+                            ("qk_norm", m.qk_norm or None, "MLA normalises its latents instead"),
+                            ("qkv_bias", m.qkv_bias or None, "MLA's projections have no biases")):
+        require(value is None, f"model.{key} = {value} cannot be combined with model.kv_lora_rank = {m.kv_lora_rank} "
+                               f"(multi-head latent attention: {why}); remove model.{key}.")
+
+
 def validate(cfg: Config) -> None:
     """Check every rule that does not need the devices; raise one ConfigError for the first broken one."""
     m, mesh, par, tr = cfg.model, cfg.mesh, cfg.parallel, cfg.train
@@ -103,7 +134,8 @@ def validate(cfg: Config) -> None:
             f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.kv_heads} "
             f"(each kv head serves a whole group of query heads); "
             f"choose n_kv_heads among the divisors of n_heads (e.g. {nearest_divisor(m.n_heads, m.kv_heads)}).")
-    if m.arch == "llama":
+    _validate_mla(m)
+    if m.arch == "llama" and not m.mla:
         require(m.head_size % 2 == 0, f"head_dim = {m.head_size} must be even for RoPE; "
                                       "change model.head_dim, or d_model or n_heads.")
     require(m.arch == "llama" or not (m.qkv_bias or m.qk_norm or m.head_dim not in (None, m.d_model // m.n_heads)),

@@ -54,6 +54,22 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm over head_dim of each query and key head before RoPE (llama architecture; Qwen 3),
     one scale of head_dim shared by the heads."""
+    kv_lora_rank: int | None = None
+    """Multi-head latent attention (DeepSeek-V2/V3; llama architecture): keys and values of every
+    head are expanded from one shared latent of this width (normalised), and each key carries a
+    rotary part shared by all heads; null is ordinary attention. With it set, qk_nope_head_dim,
+    qk_rope_head_dim and v_head_dim give the head widths, and n_kv_heads and head_dim stay null."""
+    q_lora_rank: int | None = None
+    """MLA: queries through a low-rank projection of this width (normalised) before the per-head
+    one (DeepSeek-V3: 1536; null, V2-Lite: a direct projection)."""
+    qk_nope_head_dim: int | None = None
+    """MLA: the width of each query and key head's part without RoPE (DeepSeek-V3: 128)."""
+    qk_rope_head_dim: int | None = None
+    """MLA: the width of the rotary part of each query head and of the one rotary key all heads
+    share (DeepSeek-V3: 64; even)."""
+    v_head_dim: int | None = None
+    """MLA: the width of each value head (DeepSeek-V3: 128; at most qk_nope_head_dim +
+    qk_rope_head_dim)."""
     hf_model_type: Literal["mistral"] | None = None
     """The Hugging Face model_type a llama-architecture model exports as when its options do not
     decide it (Mistral is the llama architecture under its own name): set by the import of a
@@ -161,8 +177,17 @@ class ModelConfig:
 
     @property
     def head_size(self) -> int:
-        """Width of one attention head: `head_dim`, or d_model / n_heads when it is null."""
+        """Width of one query and key head: `head_dim`, or d_model / n_heads when it is null; under
+        MLA qk_nope_head_dim + qk_rope_head_dim (the value heads, v_head_dim wide, are padded to it
+        for the attention kernel)."""
+        if self.mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (`kv_lora_rank` set)."""
+        return self.kv_lora_rank is not None
 
     @property
     def rope_context(self) -> int:

@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from jaxpar.config import ConfigError, ModelConfig
-from jaxpar.model.layers import MLP, Attention, norm
+from jaxpar.model.layers import MLP, attention, norm
 from jaxpar.model.moe import MoE
 from jaxpar.sharding import enter_tp
 
@@ -18,7 +18,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = norm(cfg)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = attention(cfg, rngs=rngs)
         self.mlp_norm = norm(cfg)
         if cfg.moe:
             self.mlp = MoE(cfg, rngs=rngs)

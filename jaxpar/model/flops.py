@@ -16,8 +16,10 @@ def count_active_params(mcfg, embeddings: bool) -> int:
 
 
 def model_flops_per_token(cfg: Config) -> float:
-    """6·N + 12·L·d_attn·S (DESIGN.md §6.1): N the non-embedding parameters a token uses (MoE:
-    the active ones), d_attn = n_heads x head_dim (d_model unless head_dim is set), causal
-    attention not halved."""
+    """6·N + 6·L·(d_qk + d_v)·S (DESIGN.md §6.1): N the non-embedding parameters a token uses (MoE:
+    the active ones), d_qk and d_v the widths of all heads' queries (and keys) and values: n_heads
+    x head_dim each (d_model unless head_dim is set; under MLA n_heads x (qk_nope + qk_rope) and
+    n_heads x v_head_dim), causal attention not halved."""
     m = cfg.model
-    return 6 * count_active_params(m, False) + 12 * m.n_layers * m.n_heads * m.head_size * m.seq_len
+    d_v = m.n_heads * (m.v_head_dim if m.mla else m.head_size)
+    return 6 * count_active_params(m, False) + 6 * m.n_layers * (m.n_heads * m.head_size + d_v) * m.seq_len

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 from typing import Callable, NamedTuple
@@ -517,6 +518,77 @@ class Attention(nnx.Module):
         if self.arch == "gpt2":
             out_BxTxD += self.bo[...].astype(dt)
         return out_BxTxD
+
+
+class LatentAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3, `model.kv_lora_rank`). Keys and values of all
+    N heads are expanded from one latent c = norm(x W_kv_a) of kv_lora_rank (W_kv_b: per head,
+    qk_nope_head_dim of key and v_head_dim of value); each key's rotary part, qk_rope_head_dim
+    wide, comes from x directly and is shared by all heads; queries come from x, or through
+    their own normalised latent of q_lora_rank, with a no-RoPE and a rotary part per head. Training
+    attends over the expanded keys and values, with the values padded to the query and key
+    width (zeros: the output's extra columns are zero and dropped) so that every attention kernel,
+    and context parallelism, runs unchanged; the softmax scale is 1/sqrt(qk_nope + qk_rope).
+
+    Tensor parallelism splits the heads (W_q_b or W_q, W_kv_b, W_o) over `model`; the latent
+    projections and their norms are replicated (`latent`), computed on every model rank as
+    Megatron-Core does, and their gradients summed over `model`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, N = cfg.d_model, cfg.n_heads
+        dn, dr, dv, r_kv, r_q = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank,
+                                 cfg.q_lora_rank)
+        pd, std = cfg.param_dtype, cfg.init_std
+        out_std = std / math.sqrt(2 * cfg.n_layers)
+        self.dtype, self.eps, self.widths = cfg.dtype, cfg.norm_eps, (dn, dr, dv, r_kv)
+        # RoPE over the rotary part only (its tables' width is qk_rope_head_dim).
+        self.rope = dataclasses.replace(cfg, kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None,
+                                        qk_rope_head_dim=None, v_head_dim=None, head_dim=dr)
+        self.attention = cfg
+        if r_q is None:
+            self.wq = param(rngs, (D, N, dn + dr), ("embed", "heads", "head_dim"), pd, std)
+        else:
+            self.wq_a = param(rngs, (D, r_q), ("embed", "latent"), pd, std)
+            self.q_norm = param(None, (r_q,), ("latent",), pd, fill=1.0)
+            self.wq_b = param(rngs, (r_q, N, dn + dr), ("latent", "heads", "head_dim"), pd, std)
+        self.wkv_a = param(rngs, (D, r_kv + dr), ("embed", "latent"), pd, std)
+        self.kv_norm = param(None, (r_kv,), ("latent",), pd, fill=1.0)
+        self.wkv_b = param(rngs, (r_kv, N, dn + dv), ("latent", "heads", "head_dim"), pd, std)
+        self.wo = param(rngs, (N, dv, D), ("heads", "head_dim", "embed"), pd, out_std)
+
+    def project_qkv(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries [B, T, N, dn + dr], the keys' no-RoPE part and values [B, T, N, dn + dv] expanded
+        from the latent, and the shared rotary key [B, T, 1, dr] (RoPE not yet applied)."""
+        dt, (dn, dr, dv, r_kv) = self.dtype, self.widths
+        if hasattr(self, "wq"):
+            q = checkpoint_name(linear(x_BxTxD, self.wq[...].astype(dt)), ATTN_TAG)
+        else:
+            c_q = checkpoint_name(linear(x_BxTxD, self.wq_a[...].astype(dt)), ATTN_TAG)
+            q = checkpoint_name(linear(rms_norm(c_q, self.q_norm[...], self.eps), self.wq_b[...].astype(dt)), ATTN_TAG)
+        c_kv = checkpoint_name(linear(x_BxTxD, self.wkv_a[...].astype(dt)), ATTN_TAG)
+        kv = checkpoint_name(linear(rms_norm(c_kv[..., :r_kv], self.kv_norm[...], self.eps), self.wkv_b[...].astype(dt)),
+                             ATTN_TAG)
+        return q, kv, c_kv[..., r_kv:, None].swapaxes(-1, -2)
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        dt, (dn, dr, dv, r_kv) = self.dtype, self.widths
+        q, kv, k_rot = self.project_qkv(x_BxTxD)
+        layout = sequence()
+        rope = rope_tables(x_BxTxD.shape[1] if layout is None else layout.positions, self.rope)
+        q = jnp.concatenate([q[..., :dn], apply_rope(q[..., dn:], *rope)], axis=-1)
+        k_rot = apply_rope(k_rot, *rope)
+        n = q.shape[2]  # this rank's heads
+        k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rot, (*k_rot.shape[:2], n, dr))], axis=-1)
+        v = jnp.pad(kv[..., dn:], ((0, 0), (0, 0), (0, 0), (0, dn + dr - dv)))
+        names = ("batch", "seq", "heads", "head_dim")
+        o = dot_product_attention(constrain(q, names), constrain(k, names), constrain(v, names), self.attention)
+        o = constrain(o[..., :dv], names)
+        return checkpoint_name(exit_tp(linear(o, self.wo[...].astype(dt), 2)), ATTN_TAG)
+
+
+def attention(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+    """The attention layer `cfg` asks for: latent (`kv_lora_rank`) or grouped-query."""
+    return LatentAttention(cfg, rngs=rngs) if cfg.mla else Attention(cfg, rngs=rngs)
 
 
 class MLP(nnx.Module):

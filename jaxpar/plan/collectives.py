@@ -207,8 +207,8 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     closing attention, so without SP it all-reduces that again (`offload` saves what `dots`
     does; `dots_except_mlp` saves attention's output after that all-reduce, but its backward
     gathers the inputs again under SP as `dots`' does). Small ones: the
-    gradients of kv projections replicated over `model` (n_kv_heads < t) and, under SP, of the
-    norms, all-reduced per layer."""
+    gradients of kv projections replicated over `model` (n_kv_heads < t), of MLA's latent
+    projections and norms and, under SP, of the norms, all-reduced per layer."""
     m, par = cfg.model, cfg.parallel
     micro = par.microbatches
     A = rows * m.seq_len * m.d_model * act_size
@@ -237,6 +237,10 @@ def _tensor_collectives(cfg: Config, rows: int, t: int, sp: bool, act_size: int,
     if m.kv_heads % t:  # replicated kv projections: their weight gradients summed over model ranks
         bias = 1 if m.qkv_bias else 0  # (and their biases' gradients)
         small += 2 * (m.d_model + bias) * m.kv_heads * m.head_size * _BYTES[m.param_dtype]
+    if m.mla and t > 1:  # MLA's latent projections and their norms, replicated on every model rank
+        r_q = m.q_lora_rank or 0
+        small += (m.d_model * r_q + r_q + m.d_model * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank) \
+            * _BYTES[m.param_dtype]
     if m.qk_norm and t > 1:  # the q and k norm scales, shared by heads on every model rank
         small += 2 * m.head_size * _BYTES[m.param_dtype]
     if sp:  # norm parameters see a slice of the sequence on each rank

@@ -1,0 +1,159 @@
+"""Multi-head latent attention (`model.kv_lora_rank`, `jaxpar.model.layers.LatentAttention`):
+the layer against transformers' DeepseekV3Attention, parity with one device on data, tensor
+(with SP), ZeRO-3, pipeline and context-parallel meshes, its FLOPs, and bad settings refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import assert_parity, run_reference, run_steps
+from jaxpar.config import ConfigError, ModelConfig, from_dict, validate
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # CPU thread-count warnings
+
+# DeepSeek-V3's attention in small: value heads narrower than query/key heads, a rotary part.
+MLA = dict(kv_lora_rank=8, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+
+
+@pytest.mark.parametrize("q_lora_rank", [12, None])
+def test_latent_attention_equals_transformers_deepseek_v3(q_lora_rank):
+    """One layer's output on a random batch equals DeepseekV3Attention's with the same weights
+    (transformers' rotate-half RoPE: `rope_interleave: false`; the interleaved layout of
+    DeepSeek's own checkpoints is a permutation of the rotary columns at import)."""
+    torch = pytest.importorskip("torch")
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    from jaxpar.model.layers import LatentAttention
+
+    D, N, T = 32, 4, 10
+    cfg = ModelConfig(d_model=D, n_heads=N, d_ff=64, vocab_size=64, seq_len=16, norm_eps=1e-6,
+                      **{**MLA, "q_lora_rank": q_lora_rank})
+    hf = DeepseekV3Config(hidden_size=D, num_attention_heads=N, num_key_value_heads=N, kv_lora_rank=8,
+                          q_lora_rank=q_lora_rank, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                          rope_interleave=False, rms_norm_eps=1e-6, max_position_embeddings=16)
+    hf._attn_implementation = "eager"
+    layer = LatentAttention(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    for name in ("wq", "wq_a", "q_norm", "wq_b", "wkv_a", "kv_norm", "wkv_b", "wo"):
+        if hasattr(layer, name):
+            leaf = getattr(layer, name)
+            leaf[...] = jnp.asarray(rng.normal(size=leaf.shape).astype(np.float32) * (0.3 if "norm" not in name else 1))
+    ref = DeepseekV3Attention(hf, layer_idx=0)
+    w = {name: np.asarray(getattr(layer, name)[...]) for name in ("wq", "wq_a", "q_norm", "wq_b", "wkv_a", "kv_norm",
+                                                                   "wkv_b", "wo") if hasattr(layer, name)}
+    with torch.no_grad():
+        t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731 (a writable copy)
+        if q_lora_rank is None:
+            ref.q_proj.weight.copy_(t(w["wq"].reshape(D, -1).T))
+        else:
+            ref.q_a_proj.weight.copy_(t(w["wq_a"].T))
+            ref.q_a_layernorm.weight.copy_(t(w["q_norm"]))
+            ref.q_b_proj.weight.copy_(t(w["wq_b"].reshape(q_lora_rank, -1).T))
+        ref.kv_a_proj_with_mqa.weight.copy_(t(w["wkv_a"].T))
+        ref.kv_a_layernorm.weight.copy_(t(w["kv_norm"]))
+        ref.kv_b_proj.weight.copy_(t(w["wkv_b"].reshape(8, -1).T))
+        ref.o_proj.weight.copy_(t(w["wo"].reshape(-1, D).T))
+        x = rng.normal(size=(2, T, D)).astype(np.float32)
+        positions = torch.arange(T)[None]
+        cos_sin = DeepseekV3RotaryEmbedding(hf)(t(x), positions)
+        mask = torch.triu(torch.full((T, T), float("-inf")), 1)[None, None]
+        want = ref(t(x), cos_sin, mask)[0].numpy()
+    got = np.asarray(layer(jnp.asarray(x)))
+    # float32 throughout; different summation orders (XLA's and torch's matmuls, softmax).
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def _cfg(d, p, t, **parallel):
+    return from_dict({
+        "model": {"n_layers": 4, "d_model": 32, "n_heads": 4, "d_ff": 64, "vocab_size": 64, "seq_len": 16, **MLA},
+        "mesh": {"data": d, "stage": p, "model": t},
+        "parallel": {"microbatches": 1 if p == 1 else 2, "sequence_parallel": t > 1, "zero_min_elements": 0,
+                     **parallel},
+        "train": {"steps": 3, "global_batch": 16, "lr": 1e-2, "warmup_steps": 1},
+    })
+
+
+_REF = []
+
+
+@pytest.mark.parametrize("mesh,parallel", [
+    ((8, 1, 1), {"zero": 1}),
+    ((4, 1, 2), {"zero": 3}),  # heads over model with SP; the latent projections replicated
+    ((2, 2, 2), {"schedule": "1f1b"}),
+    pytest.param((2, 1, 4), {}, marks=pytest.mark.slow),
+    pytest.param((1, 4, 2), {"schedule": "zb_h1", "zero": 2}, marks=pytest.mark.slow),
+    pytest.param((8, 1, 1), {"context": 2, "context_attention": "ring"}, marks=pytest.mark.slow),
+])
+def test_latent_attention_matches_single_device(mesh, parallel):
+    """Losses each step, gradients leaf by leaf and the final parameters equal one device's."""
+    if not _REF:
+        _REF.append(run_reference(_cfg(1, 1, 1)))
+    cfg = _cfg(*mesh, **parallel)
+    validate(cfg)
+    assert_parity(run_steps(cfg), _REF[0])
+
+
+def test_latent_attention_flops_count_the_value_heads_at_their_width():
+    """Model FLOPs per token: 6·N + 6·L·S·n_heads·(qk_nope + qk_rope + v_head_dim); the parameters
+    N read from the built shapes (the latent projections, their norms, the per-head ones, here
+    written out)."""
+    from jaxpar.model.flops import model_flops_per_token
+    from jaxpar.model.transformer import count_params
+
+    cfg = _cfg(1, 1, 1)
+    m = cfg.model
+    D, N, L = m.d_model, m.n_heads, m.n_layers
+    attn = D * 12 + 12 + 12 * N * 12 + D * (8 + 4) + 8 + 8 * N * (8 + 6) + N * 6 * D
+    mlp = 3 * D * m.d_ff
+    # + the final norm and the untied output head (64 rows: the vocabulary is a multiple of 64)
+    assert count_params(m, embeddings=False) == L * (attn + mlp + 2 * D) + D + 64 * D
+    assert model_flops_per_token(cfg) == 6 * count_params(m, embeddings=False) + 6 * L * m.seq_len * N * (12 + 6)
+
+
+@pytest.mark.parametrize("mesh,parallel", [((4, 1, 2), {"zero": 3}), ((2, 1, 4), {})])
+def test_the_planner_costs_latent_attention_as_compiled(mesh, parallel):
+    """The planner's bytes per axis and memory against the compiled step under TP: its model-axis
+    bytes include the latent projections' and norms' gradients, all-reduced over `model` because
+    every model rank computes them (without them they fall 5% short here)."""
+    from jaxpar.inspect import analyze
+    from jaxpar.mesh import make_mesh
+    from jaxpar.plan.collectives import compiled_bytes_per_axis
+    from jaxpar.plan.memory import memory
+    from jaxpar.train.step import lower_step
+
+    cfg = _cfg(*mesh, **parallel)
+    devices = make_mesh(cfg, jax.devices()[:8])
+    report = analyze(lower_step(cfg, devices)[0], devices)
+    predicted = compiled_bytes_per_axis(cfg, mesh)
+    for axis in ("data", "model"):
+        measured = report.traffic(spans=axis)
+        # 1%: the planner leaves out scalars (the loss, norms' partial sums); measured 0.0-0.5%.
+        assert abs(predicted[axis] - measured) <= 0.01 * measured, (axis, predicted[axis], measured)
+    measured = report.memory.argument_bytes + report.memory.temp_bytes
+    # tests/test_plan.py's MEMORY_RTOL (15%: XLA's working set is modelled, not read); measured +1-4%.
+    assert abs(memory(cfg, mesh, platform="cpu")["total"] - measured) <= 0.15 * measured
+
+
+@pytest.mark.parametrize("model,match", [
+    ({"v_head_dim": 20}, r"model.v_head_dim = 20 exceeds qk_nope_head_dim \+ qk_rope_head_dim = 12"),
+    ({"qk_rope_head_dim": 3}, r"model.qk_rope_head_dim = 3 must be even"),
+    ({"v_head_dim": None}, r"model.v_head_dim = None must be a positive width"),
+    ({"n_kv_heads": 2}, r"model.n_kv_heads = 2 cannot be combined with model.kv_lora_rank = 8"),
+    ({"kv_lora_rank": None}, r"model.q_lora_rank is a key of multi-head latent attention"),
+    ({"arch": "gpt2"}, r"model.kv_lora_rank = 8 \(multi-head latent attention\) is a key of the llama architecture"),
+])
+def test_bad_latent_attention_is_refused_before_compiling(model, match):
+    cfg = from_dict({"model": {"d_model": 32, "n_heads": 4, "d_ff": 64, "vocab_size": 64, **MLA, **model}})
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg)
+
+
+def test_generate_refuses_latent_attention_in_one_sentence():
+    from jaxpar.generate import GenerateError, check_request
+
+    cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, vocab_size=64, seq_len=16, **MLA)
+    with pytest.raises(GenerateError, match=r"model.kv_lora_rank = 8: the KV-cache decode path does not run"):
+        check_request(cfg, [1, 2], 4, 0.0, None)
