@@ -96,6 +96,9 @@ MOE = {"n_experts": 8, "experts_per_token": 2, "expert_d_ff": 256}
 CONTEXT = {
     "dp8-cp2-all-gather": dict(mesh=(8, 1, 1), context=2),
     "dp8-cp4-ring": dict(mesh=(8, 1, 1), context=4, context_attention="ring"),
+    # (Remat `full`: its recomputed gathers and hops are the backward's, kept once by XLA.)
+    "dp8-cp2-all-gather-full": dict(mesh=(8, 1, 1), context=2, remat="full"),
+    "dp8-cp4-ring-full": dict(mesh=(8, 1, 1), context=4, context_attention="ring", remat="full"),
     "dp4-pp2-cp2-all-gather": dict(mesh=(4, 2, 1), context=2, microbatches=4),
     "dp8-cp2-moe": dict(mesh=(8, 1, 1), context=2, moe=MOE),
     "dp8-cp2-moe-capacity": dict(mesh=(8, 1, 1), context=2, moe={**MOE, "capacity_factor": 1.25}),
