@@ -172,6 +172,27 @@ def run_with_loss_and_grads(cfg: Config) -> dict:
             "params": state.params}
 
 
+def run_with_loss_and_grads_compiled(cfg: Config, options=COMPILER_OPTIONS) -> dict:
+    """`run_with_loss_and_grads`, each of its three programs (init, step, loss_and_grads) compiled
+    once with `options` (by default LLVM's optimizations off, as `run_steps`): the same figures."""
+    program = build(cfg, make_mesh(cfg, jax.devices()[:cfg.mesh.data * cfg.mesh.stage * cfg.mesh.model]))
+    source = make_source(cfg)
+    key = jax.random.key(cfg.train.seed)
+    state = program.init.lower(key).compile(options)(key)
+    batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(cfg.train.steps)]
+    loss_and_grads = program.loss_and_grads.lower(state.params, batches[0]).compile(options)
+    grads = jax.device_get(loss_and_grads(state.params, batches[0])[1])
+    step = program.step.lower(state, batches[0]).compile(options)
+    losses, norms = [], []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    state = jax.device_get(state)
+    return {"losses": np.array(losses), "grad_norms": np.array(norms), "grads": grads, "state": state,
+            "params": state.params}
+
+
 def write_hf_config(folder, **changes) -> None:
     """Change keys of a Hugging Face folder's config.json in place."""
     path = os.path.join(folder, "config.json")
