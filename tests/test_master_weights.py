@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import COMPILER_OPTIONS, run_with_loss_and_grads
+from helpers import COMPILER_OPTIONS, run_with_loss_and_grads_compiled
 from jaxpar.config import ConfigError, from_dict, validate
 from jaxpar.mesh import make_mesh
 from jaxpar.train.data import batch_at, make_source
@@ -42,7 +42,7 @@ def tiny(arch="llama", mesh=(1, 1, 1), steps=3, **parallel):
 
 
 def run(cfg) -> dict:
-    return run_with_loss_and_grads(cfg)
+    return run_with_loss_and_grads_compiled(cfg)  # LLVM optimizations off: the same programs, compiled faster
 
 
 _REF = {}
