@@ -31,9 +31,6 @@ def check_request(cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: i
     if cfg.block != "pre_norm":
         raise GenerateError(f"model.block = {cfg.block!r}: the KV-cache decode path knows the pre_norm block only; "
                             "sample from a pre_norm model.")
-    if cfg.mla:
-        raise GenerateError(f"model.kv_lora_rank = {cfg.kv_lora_rank}: the KV-cache decode path does not run "
-                            "multi-head latent attention yet; sample from a model without kv_lora_rank.")
     if len(prompt_ids) == 0:
         raise GenerateError("the prompt is empty; give at least one token of prompt.")
     bad = next((int(i) for i in prompt_ids if not 0 <= int(i) < cfg.vocab_size), None)
@@ -82,7 +79,7 @@ def generate(cfg: Config | ModelConfig, params: dict, prompt_ids: Sequence[int],
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxpar.model.decode import CACHE_NAMES, init_cache
+    from jaxpar.model.decode import cache_names, init_cache
 
     full = _config(cfg)
     mcfg = full.model
@@ -103,7 +100,9 @@ def generate(cfg: Config | ModelConfig, params: dict, prompt_ids: Sequence[int],
                                 f"{dict(mesh.shape)}; use a mesh with data = stage = 1 (e.g. --model-parallel t).")
         check_model_axis(full, mesh.shape["model"])
         params = jax.device_put(params, param_shardings(full, mesh))
-        cache = jax.device_put(cache, NamedSharding(mesh, compute_rules(full, mesh).spec(CACHE_NAMES)))
+        rules = compute_rules(full, mesh)
+        cache = jax.device_put(cache, {n: NamedSharding(mesh, rules.spec(names))
+                                       for n, names in cache_names(mcfg).items()})
     key, temperature = jax.random.key(seed), np.float32(temperature)
     token, cache = prefill(params, jnp.asarray([list(prompt_ids)], jnp.int32), cache, key, temperature)
     out = [int(token[0])]

@@ -556,34 +556,50 @@ class LatentAttention(nnx.Module):
         self.wkv_b = param(rngs, (r_kv, N, dn + dv), ("latent", "heads", "head_dim"), pd, std)
         self.wo = param(rngs, (N, dv, D), ("heads", "head_dim", "embed"), pd, out_std)
 
-    def project_qkv(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries [B, T, N, dn + dr], the keys' no-RoPE part and values [B, T, N, dn + dv] expanded
-        from the latent, and the shared rotary key [B, T, 1, dr] (RoPE not yet applied)."""
-        dt, (dn, dr, dv, r_kv) = self.dtype, self.widths
+    def queries(self, x_BxTxD: jax.Array) -> jax.Array:
+        """Queries [B, T, N, dn + dr], their rotary part (the last dr) without RoPE yet."""
+        dt = self.dtype
         if hasattr(self, "wq"):
-            q = checkpoint_name(linear(x_BxTxD, self.wq[...].astype(dt)), ATTN_TAG)
-        else:
-            c_q = checkpoint_name(linear(x_BxTxD, self.wq_a[...].astype(dt)), ATTN_TAG)
-            q = checkpoint_name(linear(rms_norm(c_q, self.q_norm[...], self.eps), self.wq_b[...].astype(dt)), ATTN_TAG)
+            return checkpoint_name(linear(x_BxTxD, self.wq[...].astype(dt)), ATTN_TAG)
+        c_q = checkpoint_name(linear(x_BxTxD, self.wq_a[...].astype(dt)), ATTN_TAG)
+        return checkpoint_name(linear(rms_norm(c_q, self.q_norm[...], self.eps), self.wq_b[...].astype(dt)), ATTN_TAG)
+
+    def latent(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(the normalised latent [B, T, kv_lora_rank], the shared rotary key [B, T, 1, dr] without
+        RoPE yet): what a KV cache holds of each position (RoPE applied)."""
+        dt, r_kv = self.dtype, self.widths[3]
         c_kv = checkpoint_name(linear(x_BxTxD, self.wkv_a[...].astype(dt)), ATTN_TAG)
-        kv = checkpoint_name(linear(rms_norm(c_kv[..., :r_kv], self.kv_norm[...], self.eps), self.wkv_b[...].astype(dt)),
-                             ATTN_TAG)
-        return q, kv, c_kv[..., r_kv:, None].swapaxes(-1, -2)
+        return rms_norm(c_kv[..., :r_kv], self.kv_norm[...], self.eps), c_kv[..., r_kv:, None].swapaxes(-1, -2)
+
+    def keys_values(self, latent_BxSxR: jax.Array, k_rot_BxSx1xR: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys [B, S, N, dn + dr] (the expanded part and the shared rotary key, RoPE applied) and
+        values [B, S, N, dn + dr] (v_head_dim wide, padded with zeros) of every head."""
+        dt, (dn, dr, dv, _) = self.dtype, self.widths
+        kv = checkpoint_name(linear(latent_BxSxR, self.wkv_b[...].astype(dt)), ATTN_TAG)
+        n = kv.shape[2]  # this rank's heads
+        k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rot_BxSx1xR, (*k_rot_BxSx1xR.shape[:2], n, dr))], axis=-1)
+        return k, jnp.pad(kv[..., dn:], ((0, 0), (0, 0), (0, 0), (0, dn + dr - dv)))
+
+    def rotate(self, q_BxTxNxH: jax.Array, k_rot_BxTx1xR: jax.Array, rope) -> tuple[jax.Array, jax.Array]:
+        """RoPE on the queries' rotary part and on the rotary key, by the tables `rope`."""
+        dn = self.widths[0]
+        return (jnp.concatenate([q_BxTxNxH[..., :dn], apply_rope(q_BxTxNxH[..., dn:], *rope)], axis=-1),
+                apply_rope(k_rot_BxTx1xR, *rope))
+
+    def output(self, o_BxTxNxH: jax.Array) -> jax.Array:
+        """The attention's output [B, T, D] from the padded value heads (row-parallel, `exit_tp`)."""
+        o = constrain(o_BxTxNxH[..., :self.widths[2]], ("batch", "seq", "heads", "head_dim"))
+        return checkpoint_name(exit_tp(linear(o, self.wo[...].astype(self.dtype), 2)), ATTN_TAG)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        dt, (dn, dr, dv, r_kv) = self.dtype, self.widths
-        q, kv, k_rot = self.project_qkv(x_BxTxD)
         layout = sequence()
         rope = rope_tables(x_BxTxD.shape[1] if layout is None else layout.positions, self.rope)
-        q = jnp.concatenate([q[..., :dn], apply_rope(q[..., dn:], *rope)], axis=-1)
-        k_rot = apply_rope(k_rot, *rope)
-        n = q.shape[2]  # this rank's heads
-        k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rot, (*k_rot.shape[:2], n, dr))], axis=-1)
-        v = jnp.pad(kv[..., dn:], ((0, 0), (0, 0), (0, 0), (0, dn + dr - dv)))
+        c, k_rot = self.latent(x_BxTxD)
+        q, k_rot = self.rotate(self.queries(x_BxTxD), k_rot, rope)
+        k, v = self.keys_values(c, k_rot)
         names = ("batch", "seq", "heads", "head_dim")
-        o = dot_product_attention(constrain(q, names), constrain(k, names), constrain(v, names), self.attention)
-        o = constrain(o[..., :dv], names)
-        return checkpoint_name(exit_tp(linear(o, self.wo[...].astype(dt), 2)), ATTN_TAG)
+        return self.output(dot_product_attention(constrain(q, names), constrain(k, names), constrain(v, names),
+                                                 self.attention))
 
 
 def attention(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
