@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxpar
-from helpers import max_abs_diff, run_with_loss_and_grads
+from helpers import max_abs_diff, run_with_loss_and_grads_compiled
 from jaxpar import model
 from jaxpar.config import ConfigError, from_dict, validate
 from jaxpar.inspect import _split_computations, analyze, compiled_device_traffic
@@ -38,7 +38,7 @@ def tiny(mode="naive", data=8, microbatches=1, arch="llama", **parallel):
 
 
 def run(cfg) -> dict:
-    return run_with_loss_and_grads(cfg)
+    return run_with_loss_and_grads_compiled(cfg)  # LLVM optimizations off: the same programs, compiled faster
 
 
 _REF = {}
