@@ -43,6 +43,9 @@ HARDWARE = {
     # NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), 494 TF32 dense,
     # NVLink 4 900 GB/s bidirectional, NDR InfiniBand 400 Gb/s per GPU, HBM3 3.35 TB/s.
     "h100-80gb": Hardware("H100-SXM5-80GB", 80 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=3.35e12),
+    # NVIDIA H800 SXM (the export form of the H100 that trained DeepSeek-V3): H100's compute and
+    # HBM, NVLink cut to 400 GB/s bidirectional; DeepSeek-V3's cluster has 400 Gb/s InfiniBand per GPU.
+    "h800-80gb": Hardware("H800-SXM5-80GB", 80 * GB, 989e12, 494e12, 200e9, 50e9, hbm_bw=3.35e12),
     # NVIDIA H200 SXM datasheet: H100's compute and NVLink, 141 GB HBM3e at 4.8 TB/s.
     "h200-141gb": Hardware("H200-SXM-141GB", 141 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=4.8e12),
 }

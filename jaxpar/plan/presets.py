@@ -17,6 +17,10 @@ _LLAMA31 = dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0
                 rope_original_context=8192)
 
 
+# DeepSeek-V3's and Kimi K2's multi-head latent attention.
+_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+
+
 # name -> (description, config sections). Batches are typical of each model's published run,
 # in sequences (about 0.5M tokens for GPT-2, 1-4M for the larger models).
 MODELS = {
@@ -48,13 +52,21 @@ MODELS = {
     # experts of 14336, top-2, GQA 32/8, vocab 32000, rope theta 1e6.
     "mixtral-8x7b": ("Mixtral-8x7B shape", _model("llama", 32, 4096, 32, 14336, 32000, 4096, K=8, theta=1000000.0,
                                                   batch=1024, n_experts=8, experts_per_token=2, norm_eps=1e-5)),
-    # DeepSeek-V3's MoE shape, approximated: jaxpar has no multi-head latent attention (here plain
-    # attention, 128 heads of 128) and no dense first layers (all 61 layers are MoE); 256 routed
-    # experts of 2048 + 1 shared, top-8, sigmoid router with the bias, vocab 129280.
-    "deepseek-v3": ("DeepSeek-V3 shape, approximated: plain attention (no MLA); 3 dense first layers, 58 MoE",
-                    _model("llama", 61, 7168, 128, 18432, 129280, 4096, K=128, batch=4096, head_dim=128, n_experts=256,
+    # DeepSeek-V3 and Kimi K2 from their config.json: 61 layers of d 7168, multi-head latent
+    # attention (q_lora 1536, kv_lora 512, heads of 128 + 64 rotary, values of 128), dense first
+    # layers of 18432, then routed experts of 2048 + 1 shared, top-8, sigmoid router with the bias.
+    # DeepSeek-V3: 128 heads, 3 dense layers, 256 experts in 8 groups (4 per token), scaling 2.5,
+    # vocab 129280; Kimi K2: 64 heads, 1 dense layer, 384 experts (no groups), scaling 2.827,
+    # vocab 163840. (Multi-token prediction, not built, is left out: DeepSeek-V3's 671 B excludes it.)
+    "deepseek-v3": ("DeepSeek-V3 (671 B, 37 B active)",
+                    _model("llama", 61, 7168, 128, 18432, 129280, 4096, batch=4096, n_experts=256,
                            experts_per_token=8, expert_d_ff=2048, n_shared_experts=1, router="sigmoid_bias",
-                           moe_layers="first_dense:3")),
+                           moe_layers="first_dense:3", router_groups=8, router_topk_groups=4, router_scaling=2.5,
+                           norm_eps=1e-6, **_MLA)),
+    "kimi-k2": ("Kimi K2 (1.04 T, 32 B active)",
+                _model("llama", 61, 7168, 64, 18432, 163840, 4096, batch=4096, n_experts=384, experts_per_token=8,
+                       expert_d_ff=2048, n_shared_experts=1, router="sigmoid_bias", moe_layers="first_dense:1",
+                       router_scaling=2.827, norm_eps=1e-6, **_MLA)),
     "gpt3-175b": ("GPT-3 175B", _model("gpt2", 96, 12288, 96, 49152, 50257, 2048, batch=1536)),
     # Megatron-LM's 530B configuration (Narayanan et al. 2021, table 1; the MT-NLG shape): 105
     # layers, hidden 20480, 128 heads, vocabulary 51200, 2048 tokens, batch 2520.
