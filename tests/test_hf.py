@@ -23,12 +23,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from helpers import assert_kv_cache_equals_recomputation  # noqa: E402
 from helpers import copy_folder as _copy, write_hf_config as _write_config  # noqa: E402
 from jaxpar import hf, model  # noqa: E402
 from jaxpar.config import Config  # noqa: E402
 from jaxpar.generate import generate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
-from jaxpar.model.decode import extend, init_cache  # noqa: E402
 from jaxpar.train.step import build  # noqa: E402
 
 VOCAB = 100  # padded to 128 by vocab_multiple 64: exercises the zero rows
@@ -468,25 +468,7 @@ def test_kv_cache_equals_recomputation(arch, loaded):
     """Prefill and one cached step give the full forward's logits; greedy decoding with the cache
     gives the tokens of greedy decoding by full recomputation."""
     cfg, params = loaded[arch]
-    rng = np.random.default_rng()
-    prompt = [int(i) for i in rng.integers(0, VOCAB, 7)]
-    full = np.asarray(model.apply(cfg, params, jnp.asarray([prompt])))
-    cache = init_cache(cfg, 1, 12)
-    pre, cache = extend(cfg, params, jnp.asarray([prompt[:6]]), cache, jnp.int32(0))
-    one, cache = extend(cfg, params, jnp.asarray([prompt[6:]]), cache, jnp.int32(6))
-    # Different matmul shapes and a masked softmax over the cache: float32 rounding only (~1e-7).
-    np.testing.assert_allclose(np.asarray(pre)[0], full[0, :6], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(one)[0, 0], full[0, 6], atol=1e-5)
-
-    new = generate(cfg, params, prompt, 12)
-    # Full recomputation over a fixed-length window (one compile): positions after the last
-    # token cannot change its logits (causal attention).
-    toks = np.zeros((1, len(prompt) + 12), np.int32)
-    toks[0, :len(prompt)] = prompt
-    forward = jax.jit(lambda p, t: model.apply(cfg, p, t))
-    for n in range(len(prompt), len(prompt) + 12):
-        toks[0, n] = int(jnp.argmax(forward(params, toks)[0, n - 1, :VOCAB]))
-    assert new == list(toks[0, len(prompt):])
+    assert_kv_cache_equals_recomputation(cfg, params, VOCAB)
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
