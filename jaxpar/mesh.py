@@ -229,9 +229,14 @@ def check_cpu_threads(mesh: Mesh, cfg: Config | None = None) -> None:
                   "starts (or call jaxpar.mesh.use_cpu_devices).", RuntimeWarning, stacklevel=3)
 
 
-def describe(mesh: Mesh) -> str:
-    """One line per axis: its size and the strategy on it; then the device grid."""
+def describe(mesh: Mesh, cfg: Config | None = None) -> str:
+    """One line per axis: its size and the strategy on it (with `cfg`, context parallelism's
+    groups on `data`); then the device grid."""
     roles = {"data": "data parallelism", "stage": "pipeline stages", "model": "tensor parallelism"}
+    if cfg is not None and cfg.parallel.context > 1:
+        c = cfg.parallel.context
+        roles["data"] = (f"data parallelism; context parallelism: groups of {c} ranks split each sequence, "
+                         f"{cfg.parallel.context_attention} attention")
     lines = [f"  {a:<6} {mesh.shape[a]:>3}  ({roles[a]})" for a in AXES]
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     kind = mesh.devices.flat[0].device_kind

@@ -190,3 +190,14 @@ def test_bad_context_settings_are_refused_before_compiling(tiny, changes, match)
 
     with pytest.raises(ConfigError, match=match):
         build(tiny("llama", mesh={"data": 8, **changes.pop("mesh", {})}, **changes))
+
+
+def test_the_mesh_header_names_context_parallelism(tiny):
+    """`python -m jaxpar.train` prints the mesh with context parallelism's groups on `data`."""
+    from jaxpar.mesh import describe, make_mesh
+
+    cfg = _cfg(tiny, mesh={"data": 8}, parallel=_cp(4, "ring"))
+    mesh = make_mesh(cfg, jax.devices()[:8])
+    assert ("  data     8  (data parallelism; context parallelism: groups of 4 ranks split each sequence, "
+            "ring attention)") in describe(mesh, cfg).splitlines()
+    assert "  data     8  (data parallelism)" in describe(mesh).splitlines()

@@ -79,7 +79,7 @@ def summary(cfg, mesh) -> str:
         f"state   per device (of the fully replicated total): {per_device}"
         + ("; optimizer state in pinned host memory" if cfg.parallel.offload == "optimizer" else ""),
         *_pipeline_line(cfg, mesh),
-        "mesh\n" + describe(mesh),
+        "mesh\n" + describe(mesh, cfg),
     ])
 
 
