@@ -171,6 +171,11 @@ def validate(cfg: Config) -> None:
         require(m.rope_attention_factor is None or m.rope_attention_factor > 0,
                 f"model.rope_attention_factor = {m.rope_attention_factor} must be positive; set it to the "
                 "checkpoint's attention_factor, or null for 0.1 ln(rope_factor) + 1.")
+    if m.rope_mscale_all_dim:
+        require(m.mla and m.rope_scaling != "none" and m.rope_mscale_all_dim > 0,
+                f"model.rope_mscale_all_dim = {m.rope_mscale_all_dim} scales multi-head latent attention's logits "
+                f"under rope scaling (DeepSeek-V3), but model.kv_lora_rank = {m.kv_lora_rank} and "
+                f"model.rope_scaling = {m.rope_scaling}; set a positive value with both, or remove it.")
     if m.n_experts != 0:
         _validate_moe(m)
     else:

@@ -108,6 +108,11 @@ class ModelConfig:
     rope_attention_factor: float | None = None
     """yarn scaling: what cos and sin are multiplied by (attention logits grow by its square); null
     is YaRN's 0.1 ln(rope_factor) + 1 (1 for a factor of 1)."""
+    rope_mscale_all_dim: float | None = None
+    """Multi-head latent attention under rope scaling: every attention logit (not only the rotary
+    part's) is multiplied by (0.1 m ln(rope_factor) + 1)^2 for m = this (DeepSeek-V3's YaRN
+    `mscale_all_dim`: 1.0; transformers' `yarn_apply_mscale`); null or 0 leaves the softmax scale
+    1/sqrt(qk_nope_head_dim + qk_rope_head_dim)."""
     init_std: float = 0.02
     """Standard deviation of the normal initializer of weight matrices."""
     block: str = "pre_norm"

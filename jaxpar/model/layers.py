@@ -385,6 +385,14 @@ def rope_attention_scale(cfg: ModelConfig) -> float:
     return 1.0 if cfg.rope_factor <= 1 else 0.1 * math.log(cfg.rope_factor) + 1.0
 
 
+def softmax_gain(cfg: ModelConfig) -> float:
+    """What every attention logit is multiplied by beyond 1/sqrt(head size): YaRN's mscale squared
+    for `rope_mscale_all_dim` (MLA; transformers' yarn_apply_mscale), else 1."""
+    if not cfg.rope_mscale_all_dim or cfg.rope_scaling == "none" or cfg.rope_factor <= 1:
+        return 1.0
+    return (0.1 * cfg.rope_mscale_all_dim * math.log(cfg.rope_factor) + 1.0) ** 2
+
+
 def rope_tables(seq_len: int | jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape [T, H/2] (float32) for rotary position embeddings, each multiplied by
     `rope_attention_scale` (yarn's attention factor) as transformers does; for positions [B, T]
@@ -528,7 +536,8 @@ class LatentAttention(nnx.Module):
     their own normalised latent of q_lora_rank, with a no-RoPE and a rotary part per head. Training
     attends over the expanded keys and values, with the values padded to the query and key
     width (zeros: the output's extra columns are zero and dropped) so that every attention kernel,
-    and context parallelism, runs unchanged; the softmax scale is 1/sqrt(qk_nope + qk_rope).
+    and context parallelism, runs unchanged; the softmax scale is 1/sqrt(qk_nope + qk_rope), times
+    `softmax_gain` (YaRN's mscale_all_dim), applied to the queries so that every kernel keeps its own.
 
     Tensor parallelism splits the heads (W_q_b or W_q, W_kv_b, W_o) over `model`; the latent
     projections and their norms are replicated (`latent`), computed on every model rank as
@@ -544,7 +553,7 @@ class LatentAttention(nnx.Module):
         # RoPE over the rotary part only (its tables' width is qk_rope_head_dim).
         self.rope = dataclasses.replace(cfg, kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None,
                                         qk_rope_head_dim=None, v_head_dim=None, head_dim=dr)
-        self.attention = cfg
+        self.attention, self.gain = cfg, softmax_gain(cfg)
         if r_q is None:
             self.wq = param(rngs, (D, N, dn + dr), ("embed", "heads", "head_dim"), pd, std)
         else:
@@ -557,12 +566,15 @@ class LatentAttention(nnx.Module):
         self.wo = param(rngs, (N, dv, D), ("heads", "head_dim", "embed"), pd, out_std)
 
     def queries(self, x_BxTxD: jax.Array) -> jax.Array:
-        """Queries [B, T, N, dn + dr], their rotary part (the last dr) without RoPE yet."""
+        """Queries [B, T, N, dn + dr], their rotary part (the last dr) without RoPE yet, times
+        `softmax_gain`."""
         dt = self.dtype
         if hasattr(self, "wq"):
-            return checkpoint_name(linear(x_BxTxD, self.wq[...].astype(dt)), ATTN_TAG)
-        c_q = checkpoint_name(linear(x_BxTxD, self.wq_a[...].astype(dt)), ATTN_TAG)
-        return checkpoint_name(linear(rms_norm(c_q, self.q_norm[...], self.eps), self.wq_b[...].astype(dt)), ATTN_TAG)
+            q = checkpoint_name(linear(x_BxTxD, self.wq[...].astype(dt)), ATTN_TAG)
+        else:
+            c_q = checkpoint_name(linear(x_BxTxD, self.wq_a[...].astype(dt)), ATTN_TAG)
+            q = checkpoint_name(linear(rms_norm(c_q, self.q_norm[...], self.eps), self.wq_b[...].astype(dt)), ATTN_TAG)
+        return q if self.gain == 1.0 else q * jnp.asarray(self.gain, q.dtype)
 
     def latent(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(the normalised latent [B, T, kv_lora_rank], the shared rotary key [B, T, 1, dr] without
