@@ -1,10 +1,12 @@
 """Hugging Face model folders (config.json + *.safetensors) in and out, for `llama` (and its
-families mistral, qwen2, qwen3), `gpt2`, and the mixture-of-experts families mixtral and qwen3_moe.
+families mistral, qwen2, qwen3), `gpt2`, the mixture-of-experts families mixtral and qwen3_moe,
+and DeepSeek-V3's `deepseek_v3` (Kimi K2's `kimi_k2` read the same way).
 
 The modules, each importing only those before it:
 
   common.py   HFError, `refuse` (a refused config.json setting), `Entry`, publishing a folder
   moe.py      the Mixtral / Qwen3-MoE families: their config.json keys and expert tensors
+  deepseek.py the DeepSeek-V3 family: its config.json keys, tensors and interleaved rotary rows
   config.py   config.json <-> ModelConfig: `config_from_hf`, `hf_config`, `check_matches`
   tensors.py  weights in and out: `entries` (the name maps), `load_params`, `save_params`
 

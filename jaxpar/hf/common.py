@@ -36,6 +36,8 @@ class Entry(NamedTuple):
     hf_shape: tuple[int, ...]
     offset: int = 0         # first column of this leaf in a fused tensor (GPT-2's c_attn)
     layers: tuple[int, ...] | None = None  # a mixed model's stack: the model layer ("{i}") of each entry
+    head: int = 0           # the head width of a heads kind where it is not model.head_size (MLA's value
+    #                         and key-value heads; kv_a_proj_with_mqa: the rows before the rotary ones)
 
 
 def publish(tmp: str, target: str) -> None:

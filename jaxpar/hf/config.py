@@ -1,5 +1,6 @@
 """config.json <-> jaxpar's ModelConfig: `config_from_hf` reads a folder's config.json (the llama
-families, `gpt2`, and the MoE families of `jaxpar.hf.moe`), `hf_config` writes one, and
+families, `gpt2`, the MoE families of `jaxpar.hf.moe` and DeepSeek-V3's of `jaxpar.hf.deepseek`),
+`hf_config` writes one, and
 `check_matches` compares a ModelConfig with a folder's, listing every setting that differs."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from jaxpar.cli import KINDS, folder_kind
 from jaxpar.config import Config, ConfigError, ModelConfig, validate
-from jaxpar.hf import moe
+from jaxpar.hf import deepseek, moe
 from jaxpar.hf.common import HFError, refuse
 
 # Context length given to an imported llama when config.json allows more: a training default the
@@ -69,7 +70,7 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
     hf = read_hf_config(folder)
     path = os.path.join(folder, "config.json")
     arch = hf.get("model_type")
-    llamas = LLAMA_FAMILIES + moe.FAMILIES
+    llamas = LLAMA_FAMILIES + moe.FAMILIES + deepseek.FAMILIES
     if arch not in llamas + ("gpt2",):
         raise HFError(f"{path!r} has model_type = {arch!r}, which jaxpar does not support; jaxpar reads "
                       f"{', '.join(f'`{a}`' for a in llamas)} and `gpt2` models.")
@@ -94,6 +95,8 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
         return float(value)
 
     if arch in llamas:  # the llama architecture under their own model_types and options
+        if arch in deepseek.FAMILIES:
+            deepseek.refuse_unsupported(hf, path)
         d, n = i("hidden_size"), i("num_attention_heads")
         rope = hf.get("rope_parameters") or {}
         if "rope_theta" in rope:  # transformers 5 keeps it there
@@ -123,6 +126,8 @@ def config_from_hf(folder: str, *, seq_len: int | None = None, vocab_multiple: i
                       hf_model_type="mistral" if arch == "mistral" else None)
         if arch in moe.FAMILIES:
             fields.update(moe.config_fields(hf, path, arch, i, nonneg))
+        if arch in deepseek.FAMILIES:
+            fields.update(deepseek.config_fields(hf, path, fields["n_layers"], i, nonneg, rope_type, scaling))
         if rope_type != "default":
             sv = lambda key: _value({**scaling, "model_type": f"{arch} with {rope_type} RoPE"}, path, key)  # noqa: E731
             fields.update(rope_scaling=rope_type, rope_factor=float(sv("factor")))
@@ -190,6 +195,8 @@ def _yarn_fields(scaling: dict[str, Any], path: str, factor: float, original: in
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """config.json of a jaxpar model (the keys both transformers 4.45+ and 5 read)."""
     dtype = cfg.param_dtype
+    if cfg.arch == "llama" and cfg.mla:
+        return deepseek.config_keys(cfg, _positions(cfg), _rope_scaling(cfg))
     if cfg.arch == "llama":
         if cfg.qkv_bias and cfg.qk_norm:
             raise HFError("model.qkv_bias and model.qk_norm together have no Hugging Face family (qwen2 has the "
@@ -249,18 +256,21 @@ def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
 
 _MATCHED = ("arch", "n_layers", "d_model", "n_heads", "kv_heads", "head_size", "n_experts", "experts_per_token",
             "expert_width", "n_shared_experts", "router", "router_norm_topk", "router_groups", "router_topk_groups",
-            "router_scaling", "moe_pattern", "d_ff", "vocab_size", "norm_eps", "tied", "qkv_bias", "qk_norm", "rope_theta", "rope_scaling", "rope_factor",
-            "rope_low_freq_factor", "rope_high_freq_factor", "rope_context", "rope_beta_fast", "rope_beta_slow",
-            "rope_truncate", "rope_attention_factor")
+            "router_scaling", "moe_pattern", "d_ff", "vocab_size", "norm_eps", "tied", "qkv_bias", "qk_norm",
+            "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_theta",
+            "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_context",
+            "rope_beta_fast", "rope_beta_slow", "rope_truncate", "rope_attention_factor", "rope_mscale_all_dim")
 # Keys compared as the model uses them, set through another field (null there: derived from others).
 _SET_BY = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "tied": "tie_embeddings", "expert_width": "expert_d_ff",
            "moe_pattern": "moe_layers", "rope_context": "rope_original_context"}
 # The RoPE keys each scaling uses (the others are compared with nothing).
-_ROPE_KEYS = {"none": ("rope_theta", "rope_scaling"), "linear": ("rope_theta", "rope_scaling", "rope_factor"),
+# (rope_mscale_all_dim: MLA's softmax scale under any scaling, as transformers' yarn_apply_mscale.)
+_ROPE_KEYS = {"none": ("rope_theta", "rope_scaling"),
+              "linear": ("rope_theta", "rope_scaling", "rope_factor", "rope_mscale_all_dim"),
               "llama3": ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                         "rope_context"),
+                         "rope_context", "rope_mscale_all_dim"),
               "yarn": ("rope_theta", "rope_scaling", "rope_factor", "rope_context", "rope_beta_fast", "rope_beta_slow",
-                       "rope_truncate", "rope_attention_factor")}
+                       "rope_truncate", "rope_attention_factor", "rope_mscale_all_dim")}
 
 
 def trained_length(folder: str) -> int:

@@ -7,8 +7,9 @@ safetensors files (`safe_open(...).get_slice`), so no process holds more of the 
 devices do. Export writes the canonical parameters back as a folder that `transformers` loads.
 
 Layouts: HF linear weights are [out, in] (llama `nn.Linear`) or [in, out] (GPT-2 `Conv1D`);
-jaxpar's are [in, out] with heads split out (`wq` [D, N, H], `wo` [N, H, D]). Both use the
-rotate-half RoPE convention, so no permutation of q/k rows is needed. Padded vocabulary rows
+jaxpar's are [in, out] with heads split out (`wq` [D, N, H], `wo` [N, H, D]). The llama families
+use the rotate-half RoPE convention, as jaxpar does, so no permutation of q/k rows is needed;
+deepseek_v3's interleaved rotary rows are permuted (`jaxpar.hf.deepseek`). Padded vocabulary rows
 (`model.vocab_multiple`) are zero on import and dropped on export.
 """
 
@@ -18,6 +19,7 @@ import contextlib
 import dataclasses
 import glob
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -29,24 +31,26 @@ import numpy as np
 
 from jaxpar import model
 from jaxpar.config import ModelConfig
-from jaxpar.hf import moe
+from jaxpar.hf import deepseek, moe
 from jaxpar.hf.common import Entry, HFError, publish
-from jaxpar.hf.config import check_matches, hf_config
+from jaxpar.hf.config import check_matches, hf_config, read_hf_config
 from jaxpar.model.transformer import dense_config, layer_order
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Larger exports are split into shards of at most this many bytes (as transformers does).
 MAX_SHARD_BYTES = 5 * 2**30
+log = logging.getLogger("jaxpar")
 
 
 # --------------------------------------------------------------------------------------------
 # Which HF tensor each jaxpar parameter comes from, and how
 
-def entries(cfg: ModelConfig, prefix: str = "", *, fused: bool = False) -> list[Entry]:
+def entries(cfg: ModelConfig, prefix: str = "", *, fused: bool = False, interleave: bool = True) -> list[Entry]:
     """The mapping of every jaxpar parameter to its HF tensor (`prefix`: "transformer." for
     GPT-2 checkpoints saved from GPT2LMHeadModel, "" for ones saved from GPT2Model; `fused`: an
-    MoE checkpoint whose experts are stored fused, see `jaxpar.hf.moe`)."""
+    MoE checkpoint whose experts are stored fused, see `jaxpar.hf.moe`; `interleave`: a
+    deepseek_v3 checkpoint's rope_interleave, see `jaxpar.hf.deepseek`)."""
     if cfg.block != "pre_norm":
         raise HFError(f"model.block = {cfg.block!r} has no Hugging Face counterpart (transformers' llama and gpt2 "
                       "are pre_norm blocks); convert only models with model.block=pre_norm.")
@@ -54,13 +58,15 @@ def entries(cfg: ModelConfig, prefix: str = "", *, fused: bool = False) -> list[
         order, out = layer_order(cfg), []
         kinds = (("dense", dense_config(cfg)), ("moe", dataclasses.replace(cfg, moe_layers="all")))
         for kind, kind_cfg in kinds:
-            for e in entries(kind_cfg, prefix, fused=fused):
+            for e in entries(kind_cfg, prefix, fused=fused, interleave=interleave):
                 if e.path[0] == "blocks":
                     out.append(e._replace(path=("blocks", kind, *e.path[1:]), layers=tuple(map(int, order[kind]))))
                 elif kind == "moe":
                     out.append(e)
         return out
     D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size
+    if cfg.mla:
+        return deepseek.entries(cfg, fused, interleave)
     if cfg.arch == "llama":
         a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
         mlp = moe.entries(cfg, fused) if cfg.moe else [
@@ -151,10 +157,13 @@ def _heads(get: Getter, name: str, where: tuple[slice | None, ...], offset: int,
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
 
 
-def _read(e: Entry, name: str, get: Getter, idx: tuple[slice, ...], H: int) -> np.ndarray:
+def _read(cfg: ModelConfig, e: Entry, name: str, get: Getter, idx: tuple[slice, ...]) -> np.ndarray:
     """The slice `idx` of one layer's jaxpar leaf `e`, reading only the HF rows and columns it needs."""
+    H = e.head or cfg.head_size
     if e.kind in moe.KINDS:
         return moe.read(e, name, get, idx)
+    if e.kind in deepseek.KINDS:
+        return deepseek.read(e, name, get, idx, cfg.qk_rope_head_dim)
     if e.kind == "same":  # rows may be padded (vocabulary) or fewer than the tensor's (positions)
         return _rows(get, name, idx[0], e.hf_shape[0], idx[1:])
     if e.kind == "t":     # jaxpar [in, out] from HF [out, in]; out may be padded (lm_head)
@@ -175,8 +184,10 @@ def _read(e: Entry, name: str, get: Getter, idx: tuple[slice, ...], H: int) -> n
     raise AssertionError(e.kind)
 
 
-def _write(e: Entry, x: np.ndarray) -> np.ndarray:
+def _write(cfg: ModelConfig, e: Entry, x: np.ndarray) -> np.ndarray:
     """One layer's HF tensor (or, for a fused tensor, this leaf's columns) from the jaxpar leaf."""
+    if e.kind in deepseek.KINDS:
+        return deepseek.write(e, x, cfg.qk_rope_head_dim)
     if e.kind == "same":
         return x[:e.hf_shape[0]]
     if e.kind == "t":
@@ -212,17 +223,18 @@ def read_leaf(cfg: ModelConfig, e: Entry, get: Getter, idx: tuple, shape: tuple[
     """The slice `idx` (of the global jaxpar shape `shape`) of parameter `e`, as float32."""
     idx = _normalize(idx, shape)
     if e.path[0] != "blocks":
-        return _read(e, e.hf, get, idx, cfg.head_size).astype(np.float32)
+        return _read(cfg, e, e.hf, get, idx).astype(np.float32)
     layers = [i if e.layers is None else e.layers[i] for i in range(idx[0].start, idx[0].stop)]
-    return np.stack([_read(e, e.hf.replace("{i}", str(i)), get, idx[1:], cfg.head_size).astype(np.float32)
+    return np.stack([_read(cfg, e, e.hf.replace("{i}", str(i)), get, idx[1:]).astype(np.float32)
                      for i in layers])
 
 
-def from_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
-    """jaxpar parameters (numpy, float32, canonical layout) from HF tensors held in memory."""
+def from_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, interleave: bool = True) -> dict:
+    """jaxpar parameters (numpy, float32, canonical layout) from HF tensors held in memory
+    (`interleave`: a deepseek_v3 model's rope_interleave)."""
     shapes, prefix = model.param_shapes(cfg), _gpt2_prefix(cfg, tensors)
     out: dict = {}
-    for e in entries(cfg, prefix, fused=moe.is_fused(cfg, tensors)):
+    for e in entries(cfg, prefix, fused=moe.is_fused(cfg, tensors), interleave=interleave):
         shape = _leaf(shapes, e.path).shape
         _set(out, e.path, read_leaf(cfg, e, lambda n, s: np.asarray(tensors[n][s]), (slice(None),) * len(shape), shape))
     for path in _buffers(cfg):
@@ -246,7 +258,7 @@ def to_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
         x = np.asarray(_leaf(params, e.path))
         for i, name in enumerate(_layer_names(cfg, e)):
             xi = x[i] if e.path[0] == "blocks" else x
-            for n, t in moe.write(e, name, xi) if e.kind in moe.KINDS else [(name, _write(e, xi))]:
+            for n, t in moe.write(e, name, xi) if e.kind in moe.KINDS else [(name, _write(cfg, e, xi))]:
                 parts.setdefault(n, []).append((e.offset, t))
     order = sorted(parts, key=_hf_order)
     return {n: np.ascontiguousarray(np.concatenate([p for _, p in sorted(parts[n], key=lambda q: q[0])], axis=-1))
@@ -325,9 +337,11 @@ def _index(folder: str) -> _Folder:
 
 
 def _check_tensors(cfg: ModelConfig, tf: _Folder, hf_cfg: ModelConfig) -> list[Entry]:
-    """Every tensor the model needs is there with the shape config.json implies; nothing else is."""
+    """Every tensor the model needs is there with the shape config.json implies; nothing else is
+    (but the layers past num_hidden_layers of an MLA folder: multi-token prediction, skipped)."""
     fused = moe.is_fused(hf_cfg, tf.where)
-    es = entries(hf_cfg, _gpt2_prefix(cfg, tf.where), fused=fused)
+    interleave = deepseek.interleaved(read_hf_config(tf.folder)) if hf_cfg.mla else True
+    es = entries(hf_cfg, _gpt2_prefix(cfg, tf.where), fused=fused, interleave=interleave)
     expected = {}
     for e in es:
         for name in _hf_names(hf_cfg, e):
@@ -342,13 +356,19 @@ def _check_tensors(cfg: ModelConfig, tf: _Folder, hf_cfg: ModelConfig) -> list[E
             raise HFError(f"tensor {name!r} in {os.path.join(tf.folder, tf.where[name])!r} has shape "
                           f"{list(tf.shapes[name])}, but {config!r} implies {list(shape)}; the config does not "
                           "match the weights: fix config.json or use the matching weights.")
-    extra = sorted(n for n in tf.where if n not in expected and not _ignored(cfg, n))
+    beyond = sorted(n for n in tf.where if n not in expected and hf_cfg.mla and deepseek.beyond(hf_cfg, n))
+    if beyond:
+        layers = sorted({int(n.split(".")[2]) for n in beyond})
+        log.warning(f"{tf.folder}: {len(beyond)} tensors of layers {', '.join(map(str, layers))} (past "
+                    f"num_hidden_layers = {hf_cfg.n_layers}: multi-token prediction) are not read; jaxpar does "
+                    "not build that module yet.")
+    extra = sorted(n for n in tf.where if n not in expected and n not in beyond and not _ignored(cfg, n))
     if extra:
         raise HFError(f"tensor {extra[0]!r} in {os.path.join(tf.folder, tf.where[extra[0]])!r} has no place in "
                       f"jaxpar's {cfg.arch} ({len(extra)} such tensors); the checkpoint is a variant jaxpar "
                       "does not implement.")
     # The jaxpar model may hold fewer positions than the folder (a smaller model.seq_len).
-    return entries(cfg, _gpt2_prefix(cfg, tf.where), fused=fused)
+    return entries(cfg, _gpt2_prefix(cfg, tf.where), fused=fused, interleave=interleave)
 
 
 def load_params(folder: str, cfg, shardings: Any) -> dict:
@@ -356,7 +376,8 @@ def load_params(folder: str, cfg, shardings: Any) -> dict:
     its sharding in `shardings` (a tree of `jax.sharding.Sharding` like the parameters, e.g.
     `jaxpar.train.step.build(cfg, mesh).state_shardings.params`). `cfg` is a Config or ModelConfig,
     checked against config.json (`check_matches`). Each process reads from the safetensors files
-    only the slices its own devices hold; arrays have `cfg.model.param_dtype`."""
+    only the slices its own devices hold; arrays have `cfg.model.param_dtype` (the sigmoid
+    router's bias float32, as the model holds it)."""
     from safetensors import safe_open
 
     mcfg = getattr(cfg, "model", cfg)
@@ -364,7 +385,6 @@ def load_params(folder: str, cfg, shardings: Any) -> dict:
     tf = _index(folder)
     es = _check_tensors(mcfg, tf, hf_cfg)
     shapes = model.param_shapes(mcfg)
-    dtype = np.dtype(mcfg.param_dtype)
     out: dict = {}
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
@@ -377,9 +397,11 @@ def load_params(folder: str, cfg, shardings: Any) -> dict:
 
         for e in es:
             shape, sharding = _leaf(shapes, e.path).shape, _leaf(shardings, e.path)
+            # param_dtype, or the leaf's own (the sigmoid router's bias is always float32)
+            dtype = np.dtype(_leaf(shapes, e.path).dtype)
             done: dict[tuple, np.ndarray] = {}  # replicas of one shard are read once
 
-            def callback(idx, e=e, shape=shape, done=done):
+            def callback(idx, e=e, shape=shape, done=done, dtype=dtype):
                 key = tuple((s.start, s.stop) for s in _normalize(idx, shape))
                 if key not in done:
                     done[key] = read_leaf(mcfg, e, get, idx, shape).astype(dtype)
@@ -414,6 +436,7 @@ def save_params(params: dict, cfg, folder: str, *, max_shard_bytes: int = MAX_SH
     if os.path.exists(folder):
         raise HFError(f"{folder!r} already exists; choose a new folder (nothing is overwritten).")
     parent = os.path.dirname(folder)
+    config = hf_config(mcfg)  # first: it refuses what the family cannot say
     tensors = to_tensors(mcfg, params)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -430,7 +453,7 @@ def save_params(params: dict, cfg, folder: str, *, max_shard_bytes: int = MAX_SH
         raise _unwritable(folder, e) from None
     try:
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(hf_config(mcfg), f, indent=2, sort_keys=True)
+            json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
         if len(shards) == 1:
             save_file(shards[0], os.path.join(tmp, SINGLE), metadata={"format": "pt"})
