@@ -112,7 +112,7 @@ def storage_rules(cfg: Config, mesh: Mesh) -> Rules:
         "batch": None, "seq": None, "sp_seq": None, "pos": None, "embed": None, "head_dim": None,
         "heads": "model", "kv_heads": _kv_heads_axis(cfg, mesh), "mlp": "model", "vocab": "model",
         "layers": "stage", "experts": _experts_axis(cfg, mesh), "expert_mlp": _expert_mlp_axis(cfg), "router": None,
-        "latent": None,
+        "latent": None, "mtp": None, "mtp_cat": None,
     })
 
 
@@ -124,7 +124,7 @@ def compute_rules(cfg: Config, mesh: Mesh) -> Rules:
         "pos": None, "embed": None, "head_dim": None,
         "heads": "model", "kv_heads": _kv_heads_axis(cfg, mesh), "mlp": "model", "vocab": "model",
         "layers": None, "experts": None, "expert_mlp": _expert_mlp_axis(cfg), "router": None,
-        "latent": None,
+        "latent": None, "mtp": None, "mtp_cat": None,
     })
 
 

@@ -79,17 +79,18 @@ def run_steps(cfg: Config, devices=None) -> dict:
     init = jax.device_get(state.params)
     batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(cfg.train.steps)]
     step = program.step.lower(state, batches[0]).compile(COMPILER_OPTIONS)
-    losses, norms, grads, moe = [], [], None, []
+    losses, norms, grads, moe, mtp = [], [], None, [], []
     for batch in batches:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
         moe.append([float(metrics[k]) for k in sorted(metrics) if k.startswith("moe_")])
+        mtp.append([float(metrics[k]) for k in sorted(metrics) if k.startswith("mtp_")])
         if grads is None:
             grads = _first_gradient(cfg, state.opt_state, norms[0])
     return {"losses": np.array(losses), "grad_norms": np.array(norms), "grads": grads, "init": init,
             "params": jax.device_get(state.params), "skipped": int(metrics["skipped_steps"]),
-            "moe": np.array(moe)}
+            "moe": np.array(moe), "mtp": np.array(mtp)}
 
 
 def _first_gradient(cfg: Config, opt_state, grad_norm: float):
@@ -126,6 +127,12 @@ def parity_failures(out: dict, ref: dict) -> dict[str, str]:
     moe_err = np.max(np.abs(out["moe"] - ref["moe"]), initial=0.0) if "moe" in out and "moe" in ref else 0.0
     if not moe_err <= MOE_ATOL:
         failed["moe"] = f"router metrics differ by {moe_err:.3g} > {MOE_ATOL}: {out['moe']} vs {ref['moe']}"
+    # Multi-token prediction: each depth's loss at every step (`loss` is the main loss), as the loss.
+    if "mtp" in out and "mtp" in ref and out["mtp"].size + ref["mtp"].size:
+        mtp_err = (np.max(np.abs(out["mtp"] - ref["mtp"]) / np.abs(ref["mtp"])) if out["mtp"].shape == ref["mtp"].shape
+                   else np.inf)
+        if not mtp_err <= LOSS_RTOL:
+            failed["mtp"] = f"MTP losses differ by {mtp_err:.3g} relative > {LOSS_RTOL}: {out['mtp']} vs {ref['mtp']}"
     leaves = jax.tree_util.tree_leaves_with_path(out["grads"])
     want = jax.tree.leaves(ref["grads"])
     assert jax.tree.structure(out["grads"]) == jax.tree.structure(ref["grads"])

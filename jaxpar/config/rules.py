@@ -176,6 +176,15 @@ def validate(cfg: Config) -> None:
                 f"model.rope_mscale_all_dim = {m.rope_mscale_all_dim} scales multi-head latent attention's logits "
                 f"under rope scaling (DeepSeek-V3), but model.kv_lora_rank = {m.kv_lora_rank} and "
                 f"model.rope_scaling = {m.rope_scaling}; set a positive value with both, or remove it.")
+    require(m.mtp_depth >= 0, f"model.mtp_depth = {m.mtp_depth} must not be negative; set 0 (no multi-token "
+                              "prediction) or the number of modules (DeepSeek-V3: 1).")
+    if m.mtp_depth:
+        require(m.arch == "llama", f"model.mtp_depth = {m.mtp_depth} (multi-token prediction) needs the llama "
+                                   f"architecture (model.arch = {m.arch}); set mtp_depth=0 for gpt2.")
+        require(m.mtp_depth < m.seq_len, f"model.mtp_depth = {m.mtp_depth} leaves no target in a sequence of "
+                                         f"model.seq_len = {m.seq_len}; set it below seq_len (DeepSeek-V3: 1).")
+        require(m.mtp_loss_weight >= 0, f"model.mtp_loss_weight = {m.mtp_loss_weight} must not be negative; "
+                                        "set it to e.g. 0.3 (DeepSeek-V3), or mtp_depth=0 to train without MTP.")
     if m.n_experts != 0:
         _validate_moe(m)
     else:
@@ -200,6 +209,8 @@ def validate(cfg: Config) -> None:
         require(not m.moe, f"model.n_experts = {m.n_experts} cannot be combined with parallel.data_mode = naive "
                            "(the baseline step has no MoE router report or bias update); set "
                            "parallel.data_mode=ddp.")
+        require(not m.mtp_depth, f"model.mtp_depth = {m.mtp_depth} cannot be combined with parallel.data_mode = "
+                                 "naive (the baseline step logs no MTP loss); set parallel.data_mode=ddp.")
         for key, value, ok in (("parallel.zero", par.zero, 0), ("mesh.stage", mesh.stage, 1),
                                ("mesh.model", mesh.model, 1), ("parallel.offload", par.offload, "none")):
             require(value == ok, f"{key} = {value} cannot be combined with parallel.data_mode = naive, which "

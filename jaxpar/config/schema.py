@@ -167,6 +167,15 @@ class ModelConfig:
     (layers N-1, 2N-1, ...: Qwen2-MoE's decoder_sparse_step, Llama 4's interleave step);
     `first_dense:K` (layers K onwards: DeepSeek-V3's first_k_dense_replace); or
     `first_dense:K,every:N` (after K dense layers, every N-th). DESIGN.md §10."""
+    mtp_depth: int = 0
+    """Multi-token prediction (DeepSeek-V3 §2.2; llama architecture): D sequential modules after
+    the model, module k predicting the token k + 1 ahead from the embedding of the token k ahead
+    and module k - 1's output (the model's for k = 1), each with its own projection and transformer
+    block (MoE when the model has experts) and the shared embedding and output head
+    (`jaxpar.model.mtp`). 0: none. Evaluation and generation use the main head only."""
+    mtp_loss_weight: float = 0.3
+    """MTP: the weight of the mean of the D modules' losses in the training objective (DeepSeek-V3:
+    0.3 for its first 10T tokens, then 0.1); logged apart from the main loss as `mtp_loss`."""
     init_from: str | None = None
     """A local Hugging Face model folder (config.json + *.safetensors) to start from (fine-tuning);
     its shapes must match this model section. Null initializes at random from train.seed."""

@@ -55,6 +55,17 @@ def register_block(name: str):
     return add
 
 
+def stacked(block: type, cfg: ModelConfig, n: int, rngs: nnx.Rngs, axis: str = "layers") -> nnx.Module:
+    """`n` blocks with their parameters stacked on a leading dim named `axis` (`layers`; `mtp` for
+    the multi-token prediction modules' blocks)."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
+    def stacked_blocks(rngs: nnx.Rngs) -> nnx.Module:
+        return block(cfg, rngs=rngs)
+
+    return stacked_blocks(rngs)
+
+
 def block_class(cfg: ModelConfig) -> type:
     if cfg.block not in BLOCKS:
         raise ConfigError(f"model.block = {cfg.block!r} is not a registered block (registered: "

@@ -59,24 +59,35 @@ def sequences_per_step(n: int):
 
 
 def split_stats(cfg: ModelConfig, grads: Any) -> tuple[Any, jax.Array | None]:
-    """(the gradients with zeros for `router_stats`, the stats [layers, n_experts + 3]): the
-    stats leaf's "gradient" is what the routers reported, never an update."""
+    """(the gradients with zeros for `router_stats`, the stats [MoE layers (+ MTP depths), n_experts
+    + 3]): the stats leaf's "gradient" is what the routers reported, never an update."""
     if not cfg.moe:
         return grads, None
-    mlp = _moe_blocks(cfg, grads)["mlp"]
-    stats = mlp["router_stats"]
-    return _with_mlp(cfg, grads, {**mlp, "router_stats": jnp.zeros_like(stats)}), stats.astype(jnp.float32)
+    stats = [_get(grads, path)["router_stats"] for path in _moe_stacks(cfg)]
+    for path, x in zip(_moe_stacks(cfg), stats):
+        mlp = _get(grads, path)
+        grads = _set(grads, path, {**mlp, "router_stats": jnp.zeros_like(x)})
+    return grads, jnp.concatenate(stats).astype(jnp.float32)
 
 
-def _moe_blocks(cfg: ModelConfig, tree: Any) -> Any:
-    """The MoE layers' stacked blocks in a parameter-shaped tree (a mixed model's `moe` stack)."""
-    return tree["blocks"]["moe"] if cfg.mixed else tree["blocks"]
+def _moe_stacks(cfg: ModelConfig) -> list[tuple[str, ...]]:
+    """The paths of the MoE layers' stacked `mlp` subtrees in a parameter-shaped tree: the blocks'
+    (a mixed model's `moe` stack), then the multi-token prediction modules' (`jaxpar.model.mtp`)."""
+    main = ("blocks", "moe", "mlp") if cfg.mixed else ("blocks", "mlp")
+    return [main, ("mtp", "blocks", "mlp")] if cfg.mtp_depth else [main]
 
 
-def _with_mlp(cfg: ModelConfig, tree: Any, mlp: Any) -> Any:
-    """`tree` with the MoE layers' `mlp` subtree replaced."""
-    blocks = {**_moe_blocks(cfg, tree), "mlp": mlp}
-    return {**tree, "blocks": {**tree["blocks"], "moe": blocks} if cfg.mixed else blocks}
+def _get(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: Any, path: tuple[str, ...], value: Any) -> Any:
+    """`tree` with the subtree at `path` replaced (new dicts along the path)."""
+    if not path:
+        return value
+    return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
 
 
 def is_stats(path) -> bool:
@@ -98,15 +109,18 @@ def metrics(cfg: ModelConfig, stats: jax.Array) -> dict[str, jax.Array]:
 
 def update_bias(cfg: ModelConfig, params: Any, stats: jax.Array) -> Any:
     """DeepSeek-V3's auxiliary-loss-free balancing, after the step's update: each expert's
-    selection bias moves by `router_bias_rate` towards equal load."""
+    selection bias moves by `router_bias_rate` towards equal load (`stats` as `split_stats`)."""
     if not cfg.moe or cfg.router != "sigmoid_bias":
         return params
-    E = cfg.n_experts
-    load = stats[:, :E]
-    mlp = _moe_blocks(cfg, params)["mlp"]
-    bias = mlp["router_bias"]
-    new = bias + (cfg.router_bias_rate * jnp.sign(1.0 / E - load)).astype(bias.dtype)
-    return _with_mlp(cfg, params, {**mlp, "router_bias": new})
+    E, start = cfg.n_experts, 0
+    for path in _moe_stacks(cfg):
+        mlp = _get(params, path)
+        bias = mlp["router_bias"]
+        load = stats[start:start + bias.shape[0], :E]
+        start += bias.shape[0]
+        new = bias + (cfg.router_bias_rate * jnp.sign(1.0 / E - load)).astype(bias.dtype)
+        params = _set(params, path, {**mlp, "router_bias": new})
+    return params
 
 
 class MoE(nnx.Module):

@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.blocks import block_class
+from jaxpar.model.blocks import block_class, stacked
+from jaxpar.model.mtp import MTP
 from jaxpar.model.layers import Sequence, active_split, linear, norm, param, sequence, sequence_layout
 from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
 
@@ -58,10 +59,12 @@ class Transformer(nnx.Module):
 
         # One stack of blocks; an MoE model with dense layers too (`model.moe_layers`) has two,
         # each in layer order: {"dense", "moe"} (`MixedBlocks`).
-        self.blocks = MixedBlocks(cfg, rngs=rngs) if cfg.mixed else _stacked(block_class(cfg), cfg, cfg.n_layers, rngs)
+        self.blocks = MixedBlocks(cfg, rngs=rngs) if cfg.mixed else stacked(block_class(cfg), cfg, cfg.n_layers, rngs)
         self.final_norm = norm(cfg)
         if not cfg.tied:  # else the output projection is the embedding (gpt2; tied llamas)
             self.lm_head = param(rngs, (D, V), ("embed", "vocab"), pd, std)
+        if cfg.mtp_depth:  # multi-token prediction's modules (training only: `jaxpar.model.mtp`)
+            self.mtp = MTP(cfg, rngs=rngs)
 
     def __call__(self, tokens_BxT: jax.Array, *, remat: str = "none", layout: Sequence | None = None) -> jax.Array:
         """Next-token logits [B, T, V] in float32 for int tokens [B, T] (V: the padded vocabulary),
@@ -88,8 +91,13 @@ class Transformer(nnx.Module):
     def head(self, x_BxTxD: jax.Array) -> jax.Array:
         """Final norm and output projection: logits [B, T, V] in float32 (this rank's slice of the
         vocabulary under tensor parallelism)."""
+        return self.project(self.final_norm(x_BxTxD))
+
+    def project(self, x_BxTxD: jax.Array) -> jax.Array:
+        """The output projection of normed states: logits [B, T, V] in float32 (the main head's and
+        every MTP depth's)."""
         cfg = self.cfg
-        x_BxTxD = enter_tp(self.final_norm(x_BxTxD))
+        x_BxTxD = enter_tp(x_BxTxD)
         w_DxV = self.embed[...].T if cfg.tied else self.lm_head[...]
         # Logits accumulate and come out in float32: the softmax of the loss needs the precision.
         # (In float32, `linear`: on XLA:CPU its weight gradient is one [D, B·T] x [B·T, V] matmul,
@@ -109,16 +117,6 @@ def token_ids(tokens_BxT: jax.Array) -> jax.Array:
     return jnp.maximum(tokens_BxT, ~tokens_BxT)
 
 
-def _stacked(block: type, cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> nnx.Module:
-    """`n` blocks with their parameters stacked on a leading `layers` dim."""
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def stacked_blocks(rngs: nnx.Rngs) -> nnx.Module:
-        return block(cfg, rngs=rngs)
-
-    return stacked_blocks(rngs)
-
-
 def dense_config(cfg: ModelConfig) -> ModelConfig:
     """The config of a mixed model's dense layers (a dense MLP of width d_ff)."""
     return dataclasses.replace(cfg, n_experts=0, moe_layers="all")
@@ -132,8 +130,8 @@ class MixedBlocks(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         block = block_class(cfg)
-        self.dense = _stacked(block, dense_config(cfg), cfg.n_layers - cfg.n_moe_layers, rngs)
-        self.moe = _stacked(block, cfg, cfg.n_moe_layers, rngs)
+        self.dense = stacked(block, dense_config(cfg), cfg.n_layers - cfg.n_moe_layers, rngs)
+        self.moe = stacked(block, cfg, cfg.n_moe_layers, rngs)
 
 
 def block_kinds(cfg: ModelConfig) -> tuple[str, ...]:
@@ -334,14 +332,18 @@ def apply(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, *, remat: str
 def count_params(cfg: ModelConfig, *, embeddings: bool = True, active: bool = False) -> int:
     """Parameter count Ψ (optionally without the token / position embeddings, for FLOP counts;
     with `active`, an MoE model's parameters that one token uses: its k routed experts of each
-    layer, not all of them, and not the routers' bias and report, which no token multiplies)."""
+    layer, not all of them, and not the routers' bias and report, which no token multiplies; the
+    multi-token prediction modules are counted, as the work of a training step)."""
     shapes = param_shapes(cfg)
     total = sum(x.size for x in jax.tree.leaves(shapes))
     if not embeddings:
         total -= shapes["embed"].size + (shapes["pos_embed"].size if "pos_embed" in shapes else 0)
+    if active and cfg.mtp_depth:  # the MTP report leaf, which no token multiplies
+        total -= shapes["mtp"]["report"].size
     if active and cfg.moe:
-        mlp = stack(shapes["blocks"], "moe" if cfg.mixed else "")["mlp"]
         idle = (cfg.n_experts - cfg.experts_per_token) / cfg.n_experts
-        total -= round(sum(mlp[k].size for k in ("w_gate", "w_up", "w_down")) * idle)
-        total -= sum(mlp[k].size for k in ("router_stats", "router_bias") if k in mlp)
+        stacks = [stack(shapes["blocks"], "moe" if cfg.mixed else "")] + ([shapes["mtp"]["blocks"]] if cfg.mtp_depth else [])
+        for mlp in (b["mlp"] for b in stacks):
+            total -= round(sum(mlp[k].size for k in ("w_gate", "w_up", "w_down")) * idle)
+            total -= sum(mlp[k].size for k in ("router_stats", "router_bias") if k in mlp)
     return total

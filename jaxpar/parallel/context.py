@@ -38,6 +38,7 @@ from jaxpar.config import Config
 from jaxpar.parallel.gradients import DATA
 from jaxpar.model import tiled_attention as ta
 from jaxpar.model.layers import Sequence, document_positions, document_segments
+from jaxpar.model.mtp import cut, pad
 
 
 def groups(d: int, c: int) -> list[list[int]]:
@@ -57,23 +58,37 @@ def positions(c: int, L: int) -> np.ndarray:
                      for j in range(c)]).astype(np.int32)
 
 
-def windows(batch_BxT1: jax.Array, c: int, d: int) -> jax.Array:
-    """The chunks' token windows [B · 2c, L + 1] of a batch [B, T + 1] (inputs and shifted targets),
+def windows(batch_BxT1: jax.Array, c: int, d: int, extra: int = 0) -> jax.Array:
+    """The chunks' token windows [B · 2c, L + 1 + extra] of a batch [B, T + 1 + extra] (inputs and
+    shifted targets, and `extra` tokens more for multi-token prediction's depths: `model.mtp.pad`),
     in the data axis's order: group g, context rank j, the group's sequence s, chunk (j, 2c − 1 − j),
     so that data rank g·c + j's contiguous share is its chunks of its group's sequences."""
     B, T1 = batch_BxT1.shape
-    L = (T1 - 1) // (2 * c)
+    L = (T1 - 1 - extra) // (2 * c)
     order = [k for j in range(c) for k in chunks_of(j, c)]
-    w = jnp.stack([batch_BxT1[:, k * L:k * L + L + 1] for k in order], axis=1)  # [B, 2c, L + 1]
-    w = w.reshape(d // c, B * c // d, c, 2, L + 1).transpose(0, 2, 1, 3, 4)
-    return w.reshape(B * 2 * c, L + 1)
+    w = jnp.stack([batch_BxT1[:, k * L:k * L + L + 1 + extra] for k in order], axis=1)  # [B, 2c, L + 1 + extra]
+    w = w.reshape(d // c, B * c // d, c, 2, L + 1 + extra).transpose(0, 2, 1, 3, 4)
+    return w.reshape(B * 2 * c, L + 1 + extra)
 
 
-def loss_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A rank's windows [2n, L + 1] (`windows`) as inputs and targets [n, 2L]: each sequence's two
-    chunks side by side, as `positions` orders them."""
-    n2, L1 = rows.shape
-    return rows[:, :-1].reshape(n2 // 2, 2 * (L1 - 1)), rows[:, 1:].reshape(n2 // 2, 2 * (L1 - 1))
+def loss_rows(rows: jax.Array, shift: int = 0, extra: int = 0) -> tuple[jax.Array, jax.Array]:
+    """A rank's windows [2n, L + 1 + extra] (`windows`) as inputs and targets [n, 2L], `shift`
+    tokens ahead (multi-token prediction's depths; 0: the model's): each sequence's two chunks side
+    by side, as `positions` orders them."""
+    n2, W = rows.shape
+    L = W - 1 - extra
+    return (rows[:, shift:shift + L].reshape(n2 // 2, 2 * L),
+            rows[:, shift + 1:shift + 1 + L].reshape(n2 // 2, 2 * L))
+
+
+def row_split(cfg: Config) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
+    """`split(rows, shift) -> (inputs, targets)` of the step's rows (windows [B, T + 1 + D] of the
+    batch, or chunk windows under context parallelism), `shift` tokens ahead (0: the model's; D =
+    `model.mtp_depth`)."""
+    D = cfg.model.mtp_depth
+    if cfg.parallel.context > 1:
+        return lambda rows, shift: loss_rows(rows, shift, D)
+    return lambda rows, shift: cut(rows, shift, D)
 
 
 def gather_pairs(c: int, m: int) -> np.ndarray:
@@ -281,8 +296,12 @@ def _ring_attention_bwd(static, res, do):
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
-def wrap_batch(loss_and_grads: Callable, c: int, d: int) -> Callable:
-    """`loss_and_grads(params, windows)` of the step's shard_map, taking the batch [B, T + 1]."""
-    if c == 1:
+def wrap_batch(loss_and_grads: Callable, c: int, d: int, extra: int = 0) -> Callable:
+    """`loss_and_grads(params, windows)` of the step's shard_map, taking the batch [B, T + 1]: its
+    rows with `extra` masked tokens appended (multi-token prediction: `model.mtp.pad`), cut into
+    chunk windows under context parallelism."""
+    if c == 1 and not extra:
         return loss_and_grads
-    return lambda params, batch: loss_and_grads(params, windows(batch, c, d))
+    if c == 1:
+        return lambda params, batch: loss_and_grads(params, pad(batch, extra))
+    return lambda params, batch: loss_and_grads(params, windows(pad(batch, extra), c, d, extra))

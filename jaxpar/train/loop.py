@@ -54,7 +54,7 @@ from jaxpar.train import progress
 from jaxpar.train.checkpoint import Checkpoints, logged_steps, saved_steps
 from jaxpar.train.data import batch_at, eval_batches, make_eval_source, make_source
 from jaxpar.train.efficiency import Efficiency
-from jaxpar.train.step import build
+from jaxpar.train.step import build, main_loss
 from jaxpar.train.watchdog import Watchdog
 from jaxpar.xla_flags import apply as apply_xla_flags
 
@@ -306,7 +306,7 @@ def _run(cfg, program, ckpt, state, history, watchdog, metrics_file, SummaryWrit
 
         def evaluate(params) -> dict:
             t0 = time.perf_counter()
-            loss = sum(float(eval_fn(params, b)[0]) for b in val) / len(val)
+            loss = sum(float(main_loss(cfg, *eval_fn(params, b))) for b in val) / len(val)
             last["time"] += time.perf_counter() - t0  # not counted in the step time
             return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
     log.info("initialised and compiled in %.1f s", time.perf_counter() - t)

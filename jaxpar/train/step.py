@@ -26,10 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config, ConfigError, validate
 from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_mesh
-from jaxpar.model import moe
-from jaxpar.model.layers import document_segments, packed
+from jaxpar.model import moe, mtp
+from jaxpar.model.layers import document_segments, packed, sequence_layout
 from jaxpar.model.loss import cross_entropy, cross_entropy_sum  # noqa: F401 (the loss rule; cross_entropy re-exported)
-from jaxpar.model.transformer import token_ids
+from jaxpar.model.transformer import REMAT_POLICIES, token_ids
 from jaxpar.parallel import context, naive
 from jaxpar.parallel.gradients import make_loss_and_grads
 from jaxpar.parallel.microbatches import guard_non_finite
@@ -49,21 +49,32 @@ class TrainState(NamedTuple):
 
 def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: int | None = None,
             eos: int | None = None, data: int = 1) -> jax.Array:
-    """Loss of `params` on token windows [B, T + 1] (inputs and shifted targets), summed and divided
-    by `n_tokens` (default: this batch's targets). A data shard passes the global count, so that
-    the shards' losses and gradients add up to those of the whole batch. With `eos`
+    """Loss of `params` on token windows [B, T + 1 + D] (inputs and shifted targets, and D =
+    `model.mtp_depth` tokens more for multi-token prediction: `jaxpar.model.mtp.pad`), summed and
+    divided by `n_tokens` (default: this batch's targets). A data shard passes the global count, so
+    that the shards' losses and gradients add up to those of the whole batch. With `eos`
     (`data.document_mask`: `jaxpar.train.data.document_eos`), each document of a window, ended
     by `eos`, is attended and positioned on its own. With `parallel.context` c > 1, `batch_BxT1` is
     this rank's chunk windows (`jaxpar.parallel.context.windows`, inside the step's shard_map over
-    `data` of size `data`)."""
+    `data` of size `data`). The objective adds the MTP depths' losses (`jaxpar.model.mtp.objective`)."""
+    split = context.row_split(cfg)
+    inputs, targets = split(batch_BxT1, 0)
     if cfg.parallel.context > 1:
-        inputs, targets = context.loss_rows(batch_BxT1)
         layout = context.layout(cfg, inputs, data, eos)
     else:
-        inputs, targets = batch_BxT1[:, :-1], batch_BxT1[:, 1:]
         layout = None if eos is None else packed(document_segments(token_ids(inputs), eos))
-    logits = model.apply(cfg.model, params, inputs, remat=cfg.parallel.remat, layout=layout)
-    return cross_entropy_sum(logits, targets, cfg.model.vocab_size) / (targets.size if n_tokens is None else n_tokens)
+    m, remat = model.bind(cfg.model, params), cfg.parallel.remat
+    with sequence_layout(layout):
+        y = m.backbone(m.embed_tokens(inputs), remat=remat)
+        return mtp.objective(m, y, targets, mtp.depth_rows(split, batch_BxT1, cfg.model.mtp_depth, eos),
+                             lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size),
+                             targets.size if n_tokens is None else n_tokens, REMAT_POLICIES[remat])
+
+
+def main_loss(cfg: Config, loss: jax.Array, grads: model.Params) -> jax.Array:
+    """The next-token loss of a `loss_and_grads` result: its objective, or with multi-token
+    prediction the main loss its report leaf carries (what evaluation and the log call `loss`)."""
+    return grads["mtp"]["report"][0] if cfg.model.mtp_depth else loss
 
 
 def _opt_state_shardings(opt_shapes: Any, param_shardings: Any, replicated: NamedSharding,
@@ -190,10 +201,12 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         table = table_of(build_schedule(cfg.parallel.schedule, mesh.shape["stage"], cfg.parallel.microbatches,
                                         cfg.parallel.virtual_stages))
         loss_and_grads = context.wrap_batch(make_pipeline_loss_and_grads(
-            cfg, mesh, layout, table, lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size), eos=eos), c, d)
+            cfg, mesh, layout, table, lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size), eos=eos), c, d,
+            cfg.model.mtp_depth)
     else:
         loss_and_grads = context.wrap_batch(
-            make_loss_and_grads(cfg, mesh, layout, lambda p, rows, n: loss_fn(cfg, p, rows, n, eos, d)), c, d)
+            make_loss_and_grads(cfg, mesh, layout, lambda p, rows, n: loss_fn(cfg, p, rows, n, eos, d)), c, d,
+            cfg.model.mtp_depth)
 
     def grads_at(params, batch):
         # (MoE: each sequence's router losses weigh 1 / sequences of the step, `jaxpar.model.moe`.)
@@ -204,6 +217,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
             # the mean is over the learned ones: one scale of the loss and every gradient (not of
             # the MoE routers' report, which rides in the gradients as `router_stats`).
             scale = (cfg.train.global_batch * cfg.model.seq_len) / jnp.maximum(jnp.sum(batch[:, 1:] >= 0), 1)
+            # (The MTP report, losses too, is scaled with them.)
             loss, g = loss * scale, jax.tree_util.tree_map_with_path(
                 lambda path, x: x if moe.is_stats(path) else (x * scale).astype(x.dtype), g)
         return loss, grads_for_optimizer(g)
@@ -229,8 +243,10 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
 
     def step(state: TrainState, batch: jax.Array):
         loss, g = grads_at(state.params, batch)
-        # MoE: what the routers reported leaves the gradients here (zeros in its place).
+        # MoE: what the routers reported leaves the gradients here (zeros in its place); MTP: the
+        # main and each depth's loss likewise.
         g, stats = moe.split_stats(cfg.model, g)
+        g, report = mtp.split_report(cfg.model, g)
         grad_norm = optax.tree.norm(g)
         ok, next_step, skipped = guard_non_finite(cfg.train.on_nan, loss, grad_norm, state.step, state.skipped)
         # A `cond`, not a `where(ok, new, old)` over the state: the select keeps the old moments
@@ -241,6 +257,8 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "skipped_steps": skipped}
         if stats is not None:
             metrics.update(moe.metrics(cfg.model, stats))
+        if report is not None:  # `loss` is the main loss; the objective adds mtp_loss_weight x mtp_loss
+            metrics.update(mtp.metrics(cfg.model, report))
         return TrainState(next_step, params, opt_state, skipped), metrics
 
     return _program(cfg, mesh, layout, optimizer, batch_sharding, state_shardings, step, grads_at, grad_shardings)

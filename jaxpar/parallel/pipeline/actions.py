@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from jaxpar import model
 from jaxpar.model.layers import document_segments, packed, sequence_layout, split_backward, weight_gradient
-from jaxpar.model.transformer import block_bodies, scan_layers, stack, token_ids
+from jaxpar.model import mtp
+from jaxpar.model.transformer import REMAT_POLICIES, block_bodies, scan_layers, stack, token_ids
 from jaxpar.parallel import context, microbatches
 from jaxpar.parallel.gradients import _seed, mark_for_use
 from jaxpar.parallel.pipeline.setup import DATA, STAGE
@@ -104,10 +105,11 @@ def bodies(plan, st, k):
 
 
 def microbatch(setup, st, mb):
-    """Microbatch mb's input and target tokens [b, seq]: under context parallelism each sequence's
-    two chunks, from its chunk windows (`parallel.context.loss_rows`)."""
-    rows = st.micro[mb]
-    return context.loss_rows(rows) if setup.cfg.parallel.context > 1 else (rows[:, :-1], rows[:, 1:])
+    """Microbatch mb's input and target tokens [b, seq] (under context parallelism each sequence's
+    two chunks, from its chunk windows: `parallel.context.row_split`), and the inputs and targets
+    of its multi-token prediction depths (`jaxpar.model.mtp.depth_rows`)."""
+    rows, split = st.micro[mb], context.row_split(setup.cfg)
+    return (*split(rows, 0), mtp.depth_rows(split, rows, setup.cfg.model.mtp_depth, setup.eos))
 
 
 def chunk_forward(plan, st, blocks, shared, x_in, tokens, first, k):
@@ -176,7 +178,7 @@ def forward(plan, st, x_in, mb, k, stash, slot, g_shared, rec=None):
     inside the head's `cond`). With `rec` (and `stash` None): the plan's trace, which records the
     residuals' structure and types into `rec`. Returns (y, stash, g_shared, loss)."""
     s = plan.setup
-    tokens, targets = microbatch(s, st, mb)
+    tokens, targets, depths = microbatch(s, st, mb)
     # The microbatch's layout (packed documents, a context-parallel shard), read by its embedding
     # and attention; B and W use what F saved (the attention keeps what it needs as residuals).
     if s.cfg.parallel.context > 1:
@@ -184,10 +186,10 @@ def forward(plan, st, x_in, mb, k, stash, slot, g_shared, rec=None):
     else:
         layout = None if s.eos is None else packed(document_segments(token_ids(tokens), s.eos))
     with sequence_layout(layout):
-        return _forward(plan, st, x_in, tokens, targets, k, stash, slot, g_shared, rec)
+        return _forward(plan, st, x_in, tokens, targets, depths, k, stash, slot, g_shared, rec)
 
 
-def _forward(plan, st, x_in, tokens, targets, k, stash, slot, g_shared, rec):
+def _forward(plan, st, x_in, tokens, targets, depths, k, stash, slot, g_shared, rec):
     s = plan.setup
     first, last = ends(plan, st, k)
     sh = diff_shared(plan, st)
@@ -232,10 +234,11 @@ def _forward(plan, st, x_in, tokens, targets, k, stash, slot, g_shared, rec):
                                      kind_taps(plan) if split else None)
 
     # (The head's gradients are added inside its `cond`: the other chunks' F fills no
-    # vocabulary-sized zeros.)
+    # vocabulary-sized zeros. Multi-token prediction's modules run here too, on the last stage.)
     def head(g):
-        loss, pull = jax.vjp(lambda sh, y: s.loss_sum(
-            model.bind(s.chunk_cfg, handed_shared(plan, st, sh)).head(y), targets) / s.n_tokens, sh, y)
+        loss, pull = jax.vjp(lambda sh, y: mtp.objective(
+            model.bind(s.chunk_cfg, handed_shared(plan, st, sh)), y, targets, depths, s.loss_sum, s.n_tokens,
+            REMAT_POLICIES[s.cfg.parallel.remat]), sh, y)
         dsh, dy = pull(jnp.ones_like(loss))
         return loss, microbatches.add_f32(g, dsh), dy
 

@@ -118,7 +118,11 @@ def stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
     if slots.gather:  # back from the slots to the stacks' storage (a padding slot's gradient dropped)
         g_blocks = by_kind(slots, g_blocks, layout.stage_dims["blocks"],
                            lambda g, kind, sd: from_slots(g, sd, slots.layer_slot[kind], p, stage))
-    g_shared = {k: jax.tree.map(lambda g, w, dim, sdim: reduce_stage(setup.reduce_data(g, dim), sdim).astype(w.dtype),
-                                done.g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k])
+    # (Shared leaves with experts: the MTP modules' MoE block, `jaxpar.model.mtp`; complete per data
+    # rank as the blocks' experts are.)
+    g_shared = {k: jax.tree.map(lambda g, w, dim, sdim, e: reduce_stage(g if e else setup.reduce_data(g, dim),
+                                                                        sdim).astype(w.dtype),
+                                done.g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k],
+                                layout.experts[k], is_leaf=lambda x: x is None or isinstance(x, int))
                 for k in done.g_shared}
     return jax.lax.psum(done.loss, (*setup.data_axes, STAGE)), {**g_shared, "blocks": g_blocks}
