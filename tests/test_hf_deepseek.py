@@ -405,9 +405,9 @@ def test_convert_cli(folders, tmp_path):
 
 @pytest.mark.slow
 def test_finetune_with_init_from(folders, tmp_path):
-    """`model.init_from` a deepseek_v3 folder on data 2 (experts over it) x model 2: the run starts
-    from the folder's weights, trains, and exports a folder in which transformers computes the
-    trained model's logits."""
+    """`model.init_from` a deepseek_v3 folder on data 4 (experts over it) x model 2: the run
+    loads, trains 3 steps, and `convert --run-dir --to-hf` exports a folder in which transformers
+    computes the trained model's logits (not the folder's)."""
     import jaxpar
     from jaxpar import convert
     from jaxpar.train.checkpoint import restore_params
@@ -416,7 +416,7 @@ def test_finetune_with_init_from(folders, tmp_path):
     mcfg = hf.config_from_hf(folder, seq_len=SEQ)
     cfg = jaxpar.load_config(None, [
         *(f"model.{k}={v}" for k, v in dataclasses.asdict(mcfg).items() if v is not None),
-        f"model.init_from={folder}", "mesh.data=2", "mesh.stage=1", "mesh.model=2", "train.steps=3",
+        f"model.init_from={folder}", "mesh.data=4", "mesh.stage=1", "mesh.model=2", "train.steps=3",
         "train.global_batch=4", "train.lr=1e-2", "train.warmup_steps=1", "train.log_every=1",
         "train.checkpoint_every=3", f"train.run_dir={run}"])
     jaxpar.train(cfg)
