@@ -317,11 +317,50 @@ def test_export_of_a_new_model_loads_in_transformers(tmp_path):
 # Each device reads its slices only
 
 
-def test_each_device_reads_only_its_slices(folders, loaded):
+def _record_reads(monkeypatch) -> list[tuple[str, int]]:
+    """Every (tensor, elements) `load_params` reads from a safetensors file (test_hf_moe.py's)."""
+    import safetensors
+
+    reads, real = [], safetensors.safe_open
+
+    class Slice:
+        def __init__(self, inner, name):
+            self.inner, self.name = inner, name
+
+        def get_shape(self):
+            return self.inner.get_shape()
+
+        def __getitem__(self, sl):
+            out = self.inner[sl]
+            reads.append((self.name, out.size))
+            return out
+
+    class Handle:
+        def __init__(self, *args, **kwargs):
+            self.inner = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            return Slice(self.inner.get_slice(name), name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Handle)
+    return reads
+
+
+def test_each_device_reads_only_its_slices(folders, loaded, monkeypatch):
     """On data 2 (experts split over it) x model 2 (heads split), and under ZeRO-3 on data 4 x
-    model 2 (which also splits head widths, so the permuted rotary rows are read in pieces), every
-    array equals the single-device import, and each device's slice of every leaf is read from the
-    checkpoint alone: no more elements than the slice holds."""
+    model 2: every array equals the single-device import; `load_params` reads every tensor's
+    elements exactly once in all (each device its own slice, replicas once); and each device's
+    slice of every leaf is read from the checkpoint alone, no more elements than it holds."""
     folder = folders["v3"]
     mcfg, want = loaded["v3"]
     tensors = _tensors(folder)
@@ -329,9 +368,15 @@ def test_each_device_reads_only_its_slices(folders, loaded):
         cfg = Config(model=mcfg).replace(mesh=dict(zip(("data", "stage", "model"), sizes)), parallel=parallel,
                                          train={"global_batch": 4})
         shardings = build(cfg, make_mesh(cfg, jax.devices()[:int(np.prod(sizes))])).state_shardings.params
+        reads = _record_reads(monkeypatch)
         params = hf.load_params(folder, cfg, shardings)
+        monkeypatch.undo()
         for got, ref, s in zip(jax.tree.leaves(params), jax.tree.leaves(want), jax.tree.leaves(shardings), strict=True):
             assert got.sharding == s and np.array_equal(got, ref)
+        total: dict[str, int] = {}
+        for name, size in reads:
+            total[name] = total.get(name, 0) + size
+        assert total == {n: x.size for n, x in tensors.items()}, "every element read once in all, nothing more"
         split = set()
         for e in hf.entries(mcfg):
             leaf = hf._leaf(want, e.path)
@@ -346,8 +391,29 @@ def test_each_device_reads_only_its_slices(folders, loaded):
                 if out.size < leaf.size:
                     split.add(e.path[-1])
         assert {"w_gate", "w_up", "w_down", "wq_b", "wkv_b", "wo"} <= split, split
-        if parallel:  # ZeRO-3 also splits the latent projections, the rotary rows among them
+        if parallel:  # ZeRO-3 also splits the latent projections
             assert {"wkv_a", "wq_a"} <= split, split
+
+
+@pytest.mark.parametrize("leaf", ["wq_b", "wkv_a"])
+def test_rotary_rows_are_read_in_pieces(leaf, folders, loaded):
+    """Any block of a leaf with permuted rotary rows (a slice of the head width or of the latent
+    columns that cuts through the rotary part, as a sharding over those dims would ask) reads
+    exactly its own elements, in a few contiguous spans, and equals the whole import's block."""
+    folder = folders["v3"]
+    mcfg, want = loaded["v3"]
+    tensors = _tensors(folder)
+    e = next(x for x in hf.entries(mcfg) if x.path[-1] == leaf and x.layers == (0,))
+    full = np.asarray(hf._leaf(want, ("blocks", "dense", "attn", leaf)))
+    blocks = ([(slice(0, 1), slice(3, 20), slice(1, 3), slice(10, 17)), (slice(0, 1), slice(0, 24), slice(0, 4),
+              slice(12, 20))] if leaf == "wq_b" else
+              [(slice(0, 1), slice(5, 30), slice(14, 21)), (slice(0, 1), slice(0, 32), slice(16, 24))])
+    for idx in blocks:
+        reads = []
+        out = hf.read_leaf(mcfg, e, lambda n, sl: reads.append(tensors[n][sl].size) or tensors[n][sl], idx,
+                           full.shape)
+        assert np.array_equal(out, full[idx]), idx
+        assert sum(reads) == out.size, f"read {sum(reads)} elements for a block of {out.size}"
 
 
 # --------------------------------------------------------------------------------------------
