@@ -545,6 +545,20 @@ def test_export_refuses_what_deepseek_v3_lacks(change, message, loaded, tmp_path
     assert not os.listdir(tmp_path), "nothing may be written"
 
 
+def test_multi_token_prediction_modules_are_not_mapped_yet(folders, loaded, tmp_path, caplog):
+    """A model with `mtp_depth` is refused on import in one sentence (its modules have no tensors to
+    come from yet), and exported as its main model with a warning."""
+    cfg, params = loaded["v3"]
+    mtp = dataclasses.replace(cfg, mtp_depth=1)
+    with pytest.raises(hf.HFError, match=r"^model.mtp_depth = 1 asks for multi-token-prediction modules, but .*; "
+                                         r"set model.mtp_depth=0 to load '.*'\.$"):
+        hf.load_params(folders["v3"], mtp, _one_device(mtp))
+    with caplog.at_level(logging.WARNING, logger="jaxpar"):
+        hf.save_params({**params, "mtp": {}}, mtp, str(tmp_path / "out"))
+    assert any("multi-token-prediction module(s) are not exported" in r.getMessage() for r in caplog.records)
+    assert set(_tensors(tmp_path / "out")) == set(_tensors(folders["v3"]))
+
+
 def test_load_refuses_another_latent_attention(folders):
     """A training config whose latent attention or its softmax scale differs from the folder's is
     refused by key."""

@@ -381,6 +381,11 @@ def load_params(folder: str, cfg, shardings: Any) -> dict:
     from safetensors import safe_open
 
     mcfg = getattr(cfg, "model", cfg)
+    depth = getattr(mcfg, "mtp_depth", 0)
+    if depth:
+        raise HFError(f"model.mtp_depth = {depth} asks for multi-token-prediction modules, but jaxpar does not read "
+                      "them from Hugging Face tensors yet (DeepSeek-V3's model.layers.61.*); set model.mtp_depth=0 to "
+                      f"load {folder!r}.")
     hf_cfg = check_matches(mcfg, folder)
     tf = _index(folder)
     es = _check_tensors(mcfg, tf, hf_cfg)
@@ -437,6 +442,9 @@ def save_params(params: dict, cfg, folder: str, *, max_shard_bytes: int = MAX_SH
         raise HFError(f"{folder!r} already exists; choose a new folder (nothing is overwritten).")
     parent = os.path.dirname(folder)
     config = hf_config(mcfg)  # first: it refuses what the family cannot say
+    if getattr(mcfg, "mtp_depth", 0):
+        log.warning(f"{folder}: the model's {mcfg.mtp_depth} multi-token-prediction module(s) are not exported (jaxpar "
+                    "does not write them as Hugging Face tensors yet); the folder holds the main model.")
     tensors = to_tensors(mcfg, params)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
