@@ -148,3 +148,19 @@ def test_bad_mtp_is_refused_before_compiling(changes, parallel, match):
     cfg = _cfg(8, **parallel)
     with pytest.raises(ConfigError, match=match):
         validate(cfg.replace(model=changes))
+
+
+def test_model_flops_count_the_mtp_modules():
+    """MFU's numerator with D modules: their parameters (three norms, the projection [2d, d], one
+    block each; not the report leaf), their blocks' attention as D more layers', and the output
+    head D more times, written out."""
+    from jaxpar.model.flops import model_flops_per_token
+    from jaxpar.model.transformer import count_params
+
+    base, two = _cfg(depth=0), _cfg(depth=2)
+    d, F, S, V = 32, 64, 16, 64
+    module = 3 * d + 2 * d * d + (4 * d * d + 3 * d * F + 2 * d)
+    active = lambda c: count_params(c.model, embeddings=False, active=True)  # noqa: E731
+    assert active(two) - active(base) == 2 * module
+    assert model_flops_per_token(two) - model_flops_per_token(base) == 6 * 2 * module + 6 * 2 * (d + d) * S \
+        + 6 * 2 * d * V
