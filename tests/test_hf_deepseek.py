@@ -238,6 +238,27 @@ def test_rope_interleave_false_is_read_without_permutation(folders, tmp_path, ba
     assert float(np.abs(back - want).max()) < 1e-5
 
 
+def test_deepseeks_own_config_keys(folders, loaded, reference, batch, tmp_path):
+    """The config.json DeepSeek-V3 publishes (transformers 4.x style: `rope_scaling` with `type`, a
+    top-level `rope_theta`, and the keys of DeepSeek's own modeling code: scoring_func, topk_method,
+    aux_loss_alpha, seq_aux, moe_layer_freq, ep_size) reads as the same model section, and
+    transformers computes the same logits from it."""
+    folder = _copy(folders["v3"], tmp_path / "own")
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    rope = c.pop("rope_parameters")
+    c["rope_theta"] = rope.pop("rope_theta")
+    c["rope_scaling"] = {"type" if k == "rope_type" else k: v for k, v in rope.items()}
+    c.update(scoring_func="sigmoid", topk_method="noaux_tc", aux_loss_alpha=0.001, seq_aux=True, moe_layer_freq=1,
+             ep_size=1, num_nextn_predict_layers=1, pretraining_tp=1)
+    with open(path, "w") as f:
+        json.dump(c, f)
+    assert hf.config_from_hf(folder, seq_len=SEQ) == loaded["v3"][0]
+    with torch.no_grad():
+        assert np.array_equal(_torch_model(folder)(torch.tensor(batch[:, :-1])).logits.numpy(), reference["v3"])
+
+
 def test_rope_permutation_is_transformers_interleave():
     """HF's column ROPE_ORDER[j] is jaxpar's column j: rotating the permuted columns by halves is
     transformers' apply_rotary_pos_emb_interleave, to the bit."""
