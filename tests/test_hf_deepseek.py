@@ -312,7 +312,8 @@ def test_round_trip(kind, folders, loaded, reference, batch, tmp_path):
 def test_export_of_a_new_model_loads_in_transformers(tmp_path):
     """A jaxpar MLA model initialised at random (no folder), all layers MoE and one all dense,
     exports as deepseek_v3 folders in which transformers computes jaxpar's logits."""
-    base = dict(n_layers=2, d_model=32, n_heads=4, d_ff=48, vocab_size=VOCAB, seq_len=SEQ, norm_eps=1e-6, tie_embeddings=False,
+    base = dict(n_layers=2, d_model=32, n_heads=4, d_ff=48, vocab_size=VOCAB, seq_len=SEQ, norm_eps=1e-6,
+                tie_embeddings=False,
                 kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
     moe = dict(n_experts=4, experts_per_token=2, expert_d_ff=16, n_shared_experts=2, router="sigmoid_bias",
                router_groups=2, router_topk_groups=1, router_scaling=1.5)

@@ -190,7 +190,8 @@ def entries(cfg: ModelConfig, fused: bool, interleave: bool = True) -> list[Entr
     mixed model); `fused`: experts stored as transformers 5 holds them; `interleave`: the folder's
     rope_interleave."""
     D, N, V = cfg.d_model, cfg.n_heads, cfg.vocab_size
-    dn, dr, dv, r_kv, r_q = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    r_kv, r_q = cfg.kv_lora_rank, cfg.q_lora_rank
     H = dn + dr
     a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
     heads, t = ("rope_heads_in", "rope_t") if interleave else ("heads_in", "t")
