@@ -242,6 +242,8 @@ def validate(cfg: Config) -> None:
             f"train.master_weights = {tr.master_weights} needs a 16-bit model.param_dtype, but it is float32 "
             "(the parameters are their own float32 master: a copy would only add 4 bytes per parameter); "
             "set model.param_dtype=bfloat16 or train.master_weights=none.")
+    require(0 <= tr.muon_momentum < 1, f"train.muon_momentum = {tr.muon_momentum} must lie in [0, 1); set e.g. 0.95 "
+            "(Moonlight's).")
     require(tr.weight_decay >= 0, f"train.weight_decay = {tr.weight_decay} must not be negative; set e.g. 0.1, or 0 to disable it.")
     require(tr.log_every >= 1, f"train.log_every = {tr.log_every} must be at least 1; set it to 1 or more.")
     require(tr.checkpoint_every >= 0, f"train.checkpoint_every = {tr.checkpoint_every} must not be negative; set it to 0 to disable checkpoints.")

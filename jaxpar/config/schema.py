@@ -341,6 +341,20 @@ class TrainConfig:
     """Adam beta2."""
     grad_clip: float = 1.0
     """Global-norm gradient clipping threshold; 0 disables clipping."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw, or muon: Muon (Moonlight / Kimi K2: Nesterov momentum, 5 Newton-Schulz iterations,
+    the update scaled by 0.2 sqrt(max(m, n)) to AdamW's RMS, decoupled weight decay) on the hidden
+    weight matrices, per logical matrix, and AdamW on embeddings, the output head, norms, biases
+    and routers; the same lr, schedule and weight_decay (docs/muon.md)."""
+    muon_momentum: float = 0.95
+    """Muon's Nesterov momentum (Moonlight: 0.95); AdamW's leaves keep b1 and b2."""
+    muon_ns_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype Muon's Newton-Schulz iterations compute in (Moonlight: bfloat16)."""
+    reset_optimizer: bool = False
+    """Resuming from a checkpoint whose optimizer state does not fit this config's optimizer
+    (train.optimizer switched, or master_weights / grad_clip changed its structure): keep its
+    parameters, step and skipped count and start a fresh optimizer state (one log line), instead
+    of refusing. A checkpoint whose optimizer state fits is resumed whole."""
     master_weights: Literal["none", "float32"] = "none"
     """With a 16-bit model.param_dtype: `float32` keeps a float32 master copy of the parameters in
     the optimizer state (laid out like Adam's moments, so ZeRO-1+ shards it over data), takes

@@ -110,6 +110,16 @@ def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     # (3 x 4 bytes, in units of the parameter's bytes), on the same layout.
     per_param = 2 if cfg.train.master_weights == "none" else 3 * 4 // _BYTES[cfg.model.param_dtype]
     acct = state_bytes(layout, shapes, mesh, moments_per_param=per_param)
+    if cfg.train.optimizer == "muon":
+        # Muon keeps one momentum, not Adam's two, on the leaves it takes (`jaxpar.train.muon`'s
+        # rule): one moment less of those leaves (4 bytes with master weights).
+        from jaxpar.train.muon import muon_leaves
+
+        takes = muon_leaves(model.param_names(cfg.model))
+        theirs = jax.tree.map(lambda t, s: s if t else jax.ShapeDtypeStruct((0,), s.dtype), takes, shapes)
+        fewer = 1 if cfg.train.master_weights == "none" else 4 // _BYTES[cfg.model.param_dtype]
+        acct["optimizer"]["per_device"] -= state_bytes(layout, theirs, mesh, moments_per_param=fewer)[
+            "optimizer"]["per_device"]
     # (Per device as used in the step: the shared leaves stored over `stage` are gathered there.)
     base = jax.tree.map(lambda spec, sd: _strip_data(spec, "stage" if sd is not None else None), layout.moments,
                         layout.stage_dims, is_leaf=lambda x: isinstance(x, P))
@@ -199,7 +209,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
 
     - params, optimizer: the stored state of jaxpar's ZeRO layout (Adam: two moments, in the
       parameter dtype; with `train.master_weights`, the float32 master and moments: 12 bytes per
-      parameter on the moments' layout).
+      parameter on the moments' layout; `train.optimizer: muon`: one moment on Muon's leaves).
     - gradients: what the step holds. One microbatch: ZeRO-0 every local gradient at its
       parameter's dtype; ZeRO-1/2 the data shards plus one layer's full gradient in flight (each
       layer reduce-scattered inside the backward scan); ZeRO-3: the data shard. With microbatches, a

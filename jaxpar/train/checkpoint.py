@@ -8,6 +8,13 @@ A checkpoint is `<run_dir>/checkpoints/<step>/` with two items:
 - `meta` (JSON): the resolved config it was saved with, the data position (`step`: the batch the
   run continues with), every parameter's shape, the optimizer state's tree structure, the mesh
   and the process count.
+Empty arrays of the optimizer state (Muon's placeholder second moments, `jaxpar.train.muon`) are
+not written (orbax refuses zero-size arrays): they are saved as empty nodes and made again, empty,
+on restore.
+
+A checkpoint saved with another `train.optimizer` (adamw, muon) than the config's is refused in
+one sentence; `train.reset_optimizer: true` resumes its parameters, step and skipped count instead,
+with a fresh optimizer state (likewise for an optimizer state of another structure).
 
 Restoring reads the arrays straight into the shardings of the program that restores them (any
 data/stage/model sizes, schedule, ZeRO stage, process count): orbax reads the slices each
@@ -88,6 +95,33 @@ def param_shapes(params: Any) -> dict[str, list[int]]:
 
 def _as_dict(state) -> dict[str, Any]:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "skipped": state.skipped}
+
+
+def _is_empty(x) -> bool:
+    return x is not None and hasattr(x, "shape") and 0 in x.shape
+
+
+def _without_empty(tree: Any) -> Any:
+    """`tree` with its zero-size arrays (or their ShapeDtypeStructs) as None: what is written."""
+    return jax.tree.map(lambda x: None if _is_empty(x) else x, tree)
+
+
+def _with_empty(restored: Any, abstract: Any) -> Any:
+    """The restored tree with `abstract`'s zero-size leaves made again (empty, on their shardings)."""
+    import numpy as np
+
+    def fill(a, r):
+        if not _is_empty(a):
+            return r
+        empty = np.zeros(a.shape, a.dtype)
+        return jax.device_put(empty, a.sharding) if getattr(a, "sharding", None) is not None else empty
+
+    return jax.tree.map(fill, abstract, restored, is_leaf=_is_empty)
+
+
+def saved_optimizer(meta: dict) -> str:
+    """The `train.optimizer` a checkpoint was saved with (adamw before the key existed)."""
+    return meta["config"].get("train", {}).get("optimizer", "adamw")
 
 
 _META_KEYS = ("step", "config", "param_shapes", "opt_structure")
@@ -181,15 +215,27 @@ def decide(outcomes: list[int]) -> int:
     return max(outcomes)
 
 
-def check_compatible(meta: dict, where: str, params_abstract: Any, opt_abstract: Any) -> None:
+def check_compatible(meta: dict, where: str, params_abstract: Any, opt_abstract: Any, optimizer: str = "adamw",
+                     reset: bool = False) -> bool:
     """One sentence naming the first parameter whose saved shape differs from the config's (or
-    the optimizer state's structure)."""
+    the optimizer: another `train.optimizer`, or a state of another structure). With `reset`
+    (`train.reset_optimizer`) an optimizer state that does not fit is no error: returns True when
+    the resumed run is to start a fresh optimizer state, False when the saved one fits."""
     check_compatible_params(meta, where, params_abstract)
-    if meta["opt_structure"] != str(jax.tree.structure(opt_abstract)):
+    if meta["opt_structure"] == str(jax.tree.structure(opt_abstract)):
+        return False
+    if reset:
+        return True
+    saved = saved_optimizer(meta)
+    if saved != optimizer:
         raise CheckpointError(
-            f"checkpoint {where!r} holds optimizer state of another structure than this config's optimizer "
-            "(train.grad_clip switched between 0 and positive, or train.master_weights changed?); resume with the optimizer settings it was "
-            "saved with or use a new train.run_dir.")
+            f"checkpoint {where!r} was saved with train.optimizer = {saved}, but this config trains with "
+            f"train.optimizer = {optimizer}; resume with train.optimizer={saved}, or set train.reset_optimizer=true "
+            f"to keep its parameters and step and start a fresh {optimizer} state.")
+    raise CheckpointError(
+        f"checkpoint {where!r} holds optimizer state of another structure than this config's optimizer "
+        "(train.grad_clip switched between 0 and positive, or train.master_weights changed?); resume with the optimizer settings it was "
+        "saved with, set train.reset_optimizer=true to start a fresh optimizer state, or use a new train.run_dir.")
 
 
 def check_compatible_params(meta: dict, where: str, params_abstract: Any) -> None:
@@ -313,7 +359,8 @@ class Checkpoints:
                 meta = read_meta(self.run_dir, step)
             except DamagedCheckpoint:
                 continue
-            check_compatible(meta, os.path.join(self.dir, str(step)), abstract.params, abstract.opt_state)
+            check_compatible(meta, os.path.join(self.dir, str(step)), abstract.params, abstract.opt_state,
+                             self.cfg.train.optimizer, self.cfg.train.reset_optimizer)
             break
         return steps[-1]
 
@@ -351,7 +398,7 @@ class Checkpoints:
             from jaxpar.parallel.naive import canonical_opt_state_on
 
             state = state._replace(opt_state=canonical_opt_state_on(state.opt_state, mesh))
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_as_dict(state)),
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_without_empty(_as_dict(state))),
                                                         meta=ocp.args.JsonSave(meta)))
         self.last_saved = step
         if not self.cfg.train.async_checkpoint:
@@ -380,14 +427,16 @@ class Checkpoints:
             from jaxpar.parallel.naive import canonical_abstract_opt_state, from_canonical_opt_state
 
             abstract["opt_state"] = canonical_abstract_opt_state(program)
+        tr = program.cfg.train
         for step in reversed([s for s in saved_steps(self.run_dir) if s <= first]):
             path = os.path.join(self.dir, str(step))
             state = error = reason = None
             try:
                 meta = read_meta(self.run_dir, step)
                 check_format(path)
-                check_compatible(meta, path, abstract["params"], abstract["opt_state"])
-                state = self._read(path, abstract)
+                reset = check_compatible(meta, path, abstract["params"], abstract["opt_state"], tr.optimizer,
+                                         tr.reset_optimizer)
+                state = self._read(path, abstract, fresh_optimizer=reset)
             except Exception as e:  # noqa: BLE001  (classified below, and re-raised unless it is damage)
                 error, reason = e, damage(e, path)
             outcomes = agree(OK if error is None else DAMAGED if reason is not None else FAILED)
@@ -411,15 +460,22 @@ class Checkpoints:
                 del state
                 self._move_aside(path)
                 continue
-            if naive:
+            if reset:  # train.reset_optimizer: its parameters, a fresh optimizer state
+                state["opt_state"] = jax.jit(program.optimizer.init, out_shardings=program.state_shardings.opt_state)(
+                    state["params"])
+                log.info("train.reset_optimizer: checkpoint %s holds %s optimizer state that does not fit this config's "
+                         "(train.optimizer = %s); resuming its parameters and step %d with a fresh optimizer state",
+                         path, saved_optimizer(meta), tr.optimizer, step)
+            elif naive:
                 state["opt_state"] = from_canonical_opt_state(program, state["opt_state"])
             return TrainState(state["step"], state["params"], state["opt_state"], state["skipped"]), step
         raise CheckpointError(f"no checkpoint in {self.dir!r} could be restored (each was damaged and moved aside "
                               "to <step>.corrupt); set train.resume=never with a new train.run_dir to start afresh.")
 
     @staticmethod
-    def _read(path: str, abstract: dict) -> dict:
-        """The `state` item of checkpoint `path`, read into `abstract`'s shardings.
+    def _read(path: str, abstract: dict, fresh_optimizer: bool = False) -> dict:
+        """The `state` item of checkpoint `path`, read into `abstract`'s shardings (without the
+        optimizer state with `fresh_optimizer`: its "opt_state" is then None).
 
         The handler directly, not the manager: the manager's restore ends in a barrier of all
         processes, where the others would wait forever for one whose read failed; `restore`'s
@@ -429,11 +485,21 @@ class Checkpoints:
 
         _ignore_reads_after_a_failed_restore()
 
+        if fresh_optimizer:
+            item = {k: v for k, v in abstract.items() if k != "opt_state"}
+            handler = ocp.PyTreeCheckpointHandler()
+            try:
+                state = handler.restore(epath.Path(path) / "state", args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+            finally:
+                handler.close()
+            return {**state, "opt_state": None}
         handler = ocp.StandardCheckpointHandler()
         try:
-            return handler.restore(epath.Path(path) / "state", args=ocp.args.StandardRestore(abstract))
+            state = handler.restore(epath.Path(path) / "state", args=ocp.args.StandardRestore(_without_empty(abstract)))
         finally:
             handler.close()
+        return _with_empty(state, abstract)
 
     def _move_aside(self, path: str) -> None:
         if self._manager is not None:  # its cached step list would still name the moved step

@@ -1,5 +1,6 @@
-"""The optimizer: AdamW with linear warmup and cosine decay, global-norm clipping, decay mask, and
-optionally a float32 master copy of 16-bit parameters (`train.master_weights`)."""
+"""The optimizer: AdamW (or Muon with AdamW for the rest, `train.optimizer`: `jaxpar.train.muon`)
+with linear warmup and cosine decay, global-norm clipping, decay mask, and optionally a float32
+master copy of 16-bit parameters (`train.master_weights`)."""
 
 from __future__ import annotations
 
@@ -78,10 +79,16 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
 
 def make_optimizer(tr: TrainConfig, names: Any) -> optax.GradientTransformation:
-    """AdamW over a parameter tree whose logical dim names are `names` (on a float32 master copy
-    when `tr.master_weights` is set)."""
-    adamw = optax.adamw(lr_schedule(tr), b1=tr.b1, b2=tr.b2, weight_decay=tr.weight_decay,
-                        mask=decay_mask(names))
+    """AdamW (or Muon, `tr.optimizer`) over a parameter tree whose logical dim names are `names`
+    (on a float32 master copy when `tr.master_weights` is set), after global-norm clipping."""
+    if tr.optimizer == "muon":
+        from jaxpar.train.muon import muon
+
+        adamw = muon(lr_schedule(tr), names, momentum=tr.muon_momentum, b1=tr.b1, b2=tr.b2,
+                     weight_decay=tr.weight_decay, decay_mask=decay_mask(names), ns_dtype=jnp.dtype(tr.muon_ns_dtype))
+    else:
+        adamw = optax.adamw(lr_schedule(tr), b1=tr.b1, b2=tr.b2, weight_decay=tr.weight_decay,
+                            mask=decay_mask(names))
     opt = (optax.chain(clip_by_global_norm(tr.grad_clip), adamw) if tr.grad_clip > 0
            else optax.with_extra_args_support(adamw))
     if tr.master_weights != "none":

@@ -1,0 +1,162 @@
+"""Muon (`train.optimizer: muon`) as Moonlight and Kimi K2 define it, and the one rule of which
+parameters it takes (docs/muon.md).
+
+Muon takes every hidden weight matrix: a leaf whose logical dims (`jaxpar.model.param_names`)
+make exactly two matrix sides once the stacking dims (`layers`, `mtp`, `experts`: one matrix per
+index) are set aside and the attention head dims (`heads`, `kv_heads`, `head_dim`) are counted as
+one side, and that names no `vocab`, `pos` or `router` dim. Everything else, the token and
+position embeddings, the output head, norms, biases, the routers' weights, bias and report and
+the MTP report, is updated by AdamW with its usual hyperparameters (`takes_muon`).
+
+A Muon leaf's update, per logical matrix (per layer, per expert; a projection with a heads dim
+as the matrix [its input dims, its output dims]: wq [D, N*H], wo [N*H, D], MLA's wkv_b
+[r, N*(dn+dv)]):
+
+    buf <- muon_momentum * buf + g                       (Nesterov momentum, Moonlight's form)
+    u   <- g + muon_momentum * buf
+    O   <- NewtonSchulz5(u / (|u|_F + 1e-7))             (quintic 3.4445, -4.7750, 2.0315; in
+                                                          train.muon_ns_dtype)
+    p   <- p - lr * (0.2 * sqrt(max(m, n)) * O + weight_decay * p)
+
+0.2 * sqrt(max(m, n)) gives O (singular values ~1) the RMS of an AdamW update (Moonlight's
+match-AdamW-RMS rule), so AdamW's learning rate, schedule and weight decay carry over. The
+Newton-Schulz iteration is optax's (`optax.contrib` Muon: `orthogonalize_via_newton_schulz`, its
+dimension numbers flatten and vmap the matrices); AdamW's leaves run optax's `scale_by_adam`.
+
+The state is `MuonState(count, mu, nu)`, `mu` and `nu` shaped like the parameters, so that the
+train step lays them out as it does Adam's moments (ZeRO shards them over data; master weights
+and optimizer offload wrap them unchanged): `mu` is Muon's momentum on its leaves and Adam's first
+moment elsewhere; `nu` is Adam's second moment, and on Muon's leaves an empty array [0, ...]
+(one momentum per Muon parameter; checkpoints do not write the empty arrays).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers
+from optax.contrib._muon import orthogonalize_via_newton_schulz
+
+# Moonlight's / Kimi K2's Newton-Schulz: five iterations of the quintic with these coefficients.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7  # |u|_F + eps before the iteration (Moonlight's)
+RMS_MATCH = 0.2  # the update scaled by RMS_MATCH * sqrt(max(m, n)): AdamW's update RMS
+
+STACK_DIMS = ("layers", "mtp", "experts")  # one matrix per index of these
+HEAD_DIMS = ("heads", "kv_heads", "head_dim")  # together one side of a projection
+ADAMW_DIMS = ("vocab", "pos", "router")  # embeddings, output head, routers: AdamW
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+def matrix_axes(names: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(input axes, output axes) of the logical matrices of a leaf with dim names `names`, or
+    None when Muon does not take it (the module's rule). Weights are stored [input, output]."""
+    if any(n in ADAMW_DIMS for n in names):
+        return None
+    sides: list[list[int]] = []
+    for i, n in enumerate(names):
+        if n in STACK_DIMS:
+            continue
+        if n in HEAD_DIMS and sides and names[sides[-1][-1]] in HEAD_DIMS:
+            sides[-1].append(i)
+        else:
+            sides.append([i])
+    if len(sides) != 2:
+        return None
+    return tuple(sides[0]), tuple(sides[1])
+
+
+def takes_muon(names: tuple[str, ...]) -> bool:
+    """Whether Muon (not AdamW) updates a leaf with dim names `names`."""
+    return matrix_axes(names) is not None
+
+
+def muon_leaves(names: Any) -> Any:
+    """The parameter tree with, at each leaf, whether Muon takes it (from its logical names)."""
+    return jax.tree.map(takes_muon, names, is_leaf=_is_names)
+
+
+def dimension_numbers(names: tuple[str, ...]) -> MuonDimensionNumbers | None:
+    axes = matrix_axes(names)
+    return None if axes is None else MuonDimensionNumbers(reduction_axis=axes[0], output_axis=axes[1])
+
+
+def rms_scale(shape: tuple[int, ...], names: tuple[str, ...]) -> float:
+    """0.2 * sqrt(max(m, n)) of the logical matrices [m, n] of a Muon leaf."""
+    ins, outs = matrix_axes(names)
+    m, n = math.prod(shape[i] for i in ins), math.prod(shape[i] for i in outs)
+    return RMS_MATCH * math.sqrt(max(m, n))
+
+
+def orthogonalize(u: jax.Array, names: tuple[str, ...], ns_dtype: Any = jnp.float32) -> jax.Array:
+    """Newton-Schulz (5 quintic iterations) of each logical matrix of `u`, computed in `ns_dtype`,
+    scaled by 0.2 * sqrt(max(m, n)); returned in `u`'s dtype."""
+    o = orthogonalize_via_newton_schulz(u.astype(ns_dtype), jnp.asarray(NS_COEFFS), NS_STEPS, "frobenius", NS_EPS,
+                                        dimension_numbers(names))
+    return (o.astype(jnp.float32) * rms_scale(u.shape, names)).astype(u.dtype)
+
+
+class MuonState(NamedTuple):
+    """Muon's and AdamW's state, `mu` and `nu` shaped like the parameters (module docstring)."""
+
+    count: jax.Array  # int32 scalar: steps taken
+    mu: Any  # Muon's momentum (its leaves), Adam's first moment (the rest)
+    nu: Any  # Adam's second moment (AdamW's leaves); an empty [0, ...] array on Muon's leaves
+
+
+def _empty(x) -> jax.Array:
+    return jnp.zeros((0,) * x.ndim, x.dtype)
+
+
+def muon(learning_rate: optax.ScalarOrSchedule, names: Any, *, momentum: float = 0.95, b1: float = 0.9,
+         b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0, decay_mask: Any = None,
+         ns_dtype: Any = jnp.float32) -> optax.GradientTransformation:
+    """Muon on the leaves `takes_muon` picks from `names` (the parameters' logical dim names),
+    AdamW (`optax.adamw`'s update, b1, b2, eps) on the others; decoupled weight decay
+    `weight_decay` on the leaves `decay_mask` marks (every leaf when None), both scaled by
+    `learning_rate`."""
+    takes = muon_leaves(names)
+    mask = jax.tree.map(lambda _: True, takes) if decay_mask is None else decay_mask
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+    trace = optax.trace(decay=momentum, nesterov=True)
+    schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
+    hole = lambda t, x: None if t else x  # noqa: E731  (AdamW's part: Muon's leaves left out)
+    part = lambda t, x: x if t else None  # noqa: E731  (Muon's part)
+
+    def split(tree, keep):
+        return jax.tree.map(keep, takes, tree)
+
+    def init(params):
+        mu = jax.tree.map(jnp.zeros_like, params)
+        nu = jax.tree.map(lambda t, p: _empty(p) if t else jnp.zeros_like(p), takes, params)
+        return MuonState(jnp.zeros((), jnp.int32), mu, nu)
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("muon needs the parameters (decoupled weight decay)")
+        # AdamW's leaves: optax's Adam scaling, its state the AdamW leaves of mu and nu.
+        adam_u, adam_state = adam.update(split(updates, hole), optax.ScaleByAdamState(
+            state.count, split(state.mu, hole), split(state.nu, hole)))
+        # Muon's leaves: Nesterov momentum (buf = m buf + g; g + m buf), then Newton-Schulz.
+        muon_u, trace_state = trace.update(split(updates, part), optax.TraceState(split(state.mu, part)))
+        muon_u = jax.tree.map(lambda t, u, n: orthogonalize(u, n, ns_dtype) if t else None, takes, muon_u, names,
+                              is_leaf=lambda x: x is None or _is_names(x))
+        step_size = -schedule(state.count)
+        new = jax.tree.map(lambda t, a, m: m if t else a, takes, adam_u, muon_u, is_leaf=lambda x: x is None)
+        new = jax.tree.map(lambda u, p, d: u + weight_decay * p if d and weight_decay else u, new, params, mask)
+        new = jax.tree.map(lambda u: u * jnp.asarray(step_size).astype(u.dtype), new)
+        mu = jax.tree.map(lambda t, a, m: m if t else a, takes, adam_state.mu, trace_state.trace,
+                          is_leaf=lambda x: x is None)
+        nu = jax.tree.map(lambda t, a, old: old if t else a, takes, adam_state.nu, state.nu,
+                          is_leaf=lambda x: x is None)
+        return new, MuonState(adam_state.count, mu, nu)
+
+    return optax.GradientTransformation(init, update)

@@ -1,0 +1,272 @@
+"""Muon (`train.optimizer: muon`, `jaxpar.train.muon`): the Newton-Schulz iteration and its scale
+against a direct float64 computation of the published algorithm, per logical matrix; the one rule
+of which leaves Muon takes; the whole update against a direct computation; parity with one
+device (data 8 with ZeRO-1 and ZeRO-3 here, TP + SP, ZeRO-2, a 1F1B pipeline and MoE with expert
+parallelism in the slow tier); checkpoints (the refusal, train.reset_optimizer, resuming Muon's
+state); the planner's optimizer bytes; bad values."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpar
+from helpers import assert_parity, run_with_loss_and_grads_compiled
+from jaxpar import model
+from jaxpar.config import ConfigError, from_dict, validate
+from jaxpar.train import muon as muon_lib
+from jaxpar.train.checkpoint import CheckpointError, saved_steps
+from jaxpar.train.optim import decay_mask
+
+A, B, C = 3.4445, -4.7750, 2.0315  # Moonlight's / Kimi K2's quintic
+
+
+def newton_schulz(g: np.ndarray, steps: int = 5, eps: float = 1e-7) -> np.ndarray:
+    """The published algorithm on one matrix, in float64: normalise by the Frobenius norm, iterate
+    X <- a X + (b A + c A A) X with A = X X^T on the wide orientation, times 0.2 sqrt(max(m, n))."""
+    x = np.asarray(g, np.float64)
+    x = x / (np.linalg.norm(x) + eps)
+    wide = x.shape[0] > x.shape[1]
+    if wide:
+        x = x.T
+    for _ in range(steps):
+        a = x @ x.T
+        x = A * x + (B * a + C * a @ a) @ x
+    if wide:
+        x = x.T
+    return x * 0.2 * np.sqrt(max(g.shape))
+
+
+def ortho(x, names, dtype=jnp.float32) -> np.ndarray:
+    return np.asarray(jax.jit(lambda u: muon_lib.orthogonalize(u, names, dtype))(jnp.asarray(x, jnp.float32)))
+
+
+def test_newton_schulz_and_scale_against_the_published_algorithm():
+    rng = np.random.default_rng(0)
+    for shape in [(24, 40), (40, 24)]:  # both orientations
+        g = rng.standard_normal(shape)
+        want = newton_schulz(g)
+        got = ortho(g, ("embed", "mlp"))
+        np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
+        # It orthogonalizes: singular values in the quintic's band around 1, before the scale.
+        sv = np.linalg.svd(got / (0.2 * np.sqrt(max(shape))), compute_uv=False)
+        assert 0.5 < sv.min() and sv.max() < 1.3
+        # bfloat16 (train.muon_ns_dtype): the same to bf16 rounding, and not float32's result.
+        half = ortho(g, ("embed", "mlp"), jnp.bfloat16)
+        rel = np.linalg.norm(half - want) / np.linalg.norm(want)
+        assert 1e-3 < rel < 0.1, rel
+
+
+def test_each_logical_matrix_is_orthogonalized_on_its_own():
+    rng = np.random.default_rng(1)
+    # Stacked layers [layers, m, n]: per layer, not as one [layers * m, n] matrix.
+    g = rng.standard_normal((3, 8, 12))
+    got = ortho(g, ("layers", "embed", "mlp"))
+    for layer in range(3):
+        np.testing.assert_allclose(got[layer], newton_schulz(g[layer]), atol=1e-4)
+    whole = newton_schulz(g.reshape(24, 12)).reshape(3, 8, 12)
+    assert np.abs(got - whole).max() > 0.1
+    # Stacked experts [layers, experts, in, out]: per (layer, expert).
+    g = rng.standard_normal((2, 3, 8, 12))
+    got = ortho(g, ("layers", "experts", "embed", "expert_mlp"))
+    for i in range(2):
+        for e in range(3):
+            np.testing.assert_allclose(got[i, e], newton_schulz(g[i, e]), atol=1e-4)
+    # A projection with a heads dim: its input dims x its output dims, the heads on their side.
+    g = rng.standard_normal((8, 2, 6))  # wq [D, N, H] -> [D, N*H]
+    np.testing.assert_allclose(ortho(g, ("embed", "heads", "head_dim")),
+                               newton_schulz(g.reshape(8, 12)).reshape(8, 2, 6), atol=1e-4)
+    g = rng.standard_normal((2, 6, 8))  # wo [N, H, D] -> [N*H, D]
+    np.testing.assert_allclose(ortho(g, ("heads", "head_dim", "embed")),
+                               newton_schulz(g.reshape(12, 8)).reshape(2, 6, 8), atol=1e-4)
+
+
+def _names(**model_keys):
+    cfg = from_dict({"model": {"arch": "llama", "n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2,
+                               "d_ff": 64, "vocab_size": 64, "seq_len": 16, **model_keys}})
+    validate(cfg)
+    flat = jax.tree_util.tree_leaves_with_path(model.param_names(cfg.model), is_leaf=lambda x: isinstance(x, tuple))
+    return {".".join(str(k.key) for k in path): names for path, names in flat}
+
+
+def _muon_set(names: dict) -> set[str]:
+    return {k for k, n in names.items() if muon_lib.takes_muon(n)}
+
+
+def test_which_leaves_take_muon():
+    names = _names()  # llama: the attention and MLP matrices; embeddings, head and norms stay AdamW
+    assert _muon_set(names) == {f"blocks.attn.{w}" for w in ("wq", "wk", "wv", "wo")} | {
+        f"blocks.mlp.{w}" for w in ("w_gate", "w_up", "w_down")}
+    assert muon_lib.matrix_axes(names["blocks.attn.wq"]) == ((1,), (2, 3))  # [L, D | N, H]
+    assert muon_lib.matrix_axes(names["blocks.attn.wo"]) == ((1, 2), (3,))  # [L, N, H | D]
+    # MoE (sigmoid_bias router, a shared expert), MLA and an MTP module.
+    names = _names(n_experts=4, experts_per_token=2, expert_d_ff=32, router="sigmoid_bias", n_shared_experts=1,
+                   n_kv_heads=None, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                   v_head_dim=8, mtp_depth=1)
+    matrices = {f"attn.{w}" for w in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")} | {
+        f"mlp.{w}" for w in ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")}
+    want = {f"blocks.{w}" for w in matrices} | {f"mtp.blocks.{w}" for w in matrices} | {"mtp.eh_proj"}
+    assert _muon_set(names) == want
+    adamw = set(names) - want  # embeddings, head, norms, routers with their bias and report, MTP's report
+    assert {"embed", "lm_head", "final_norm.scale", "blocks.mlp.router", "blocks.mlp.router_bias",
+            "blocks.mlp.router_stats", "blocks.attn.kv_norm", "mtp.report", "mtp.enorm"} <= adamw
+    assert muon_lib.matrix_axes(names["blocks.attn.wkv_b"]) == ((1,), (2, 3))  # [L, r | N, dn + dv]
+    assert muon_lib.matrix_axes(names["blocks.mlp.w_down"]) == ((2,), (3,))  # [L, E, F | D] per expert
+    # gpt2: biases with a heads dim, the position embedding: AdamW.
+    names = _names(arch="gpt2", n_kv_heads=None)
+    assert {"blocks.attn.bq", "blocks.attn.bk", "pos_embed", "embed"}.isdisjoint(_muon_set(names))
+    assert "blocks.mlp.w_up" in _muon_set(names)
+
+
+def test_the_update_against_a_direct_computation():
+    """Two steps of the optimizer on a small tree against numpy: Nesterov momentum, Newton-Schulz
+    per layer with its scale, decoupled weight decay, the learning rate; AdamW's leaves get
+    exactly optax.adamw's update."""
+    names = {"w": ("layers", "embed", "mlp"), "norm": ("layers", "embed"), "embed": ("vocab", "embed")}
+    rng = np.random.default_rng(2)
+    params = {"w": rng.standard_normal((2, 6, 10)), "norm": rng.standard_normal((2, 6)),
+              "embed": rng.standard_normal((12, 6))}
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    grads = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params) for _ in range(2)]
+    lr, mom, wd = 0.1, 0.9, 0.1
+    opt = muon_lib.muon(lr, names, momentum=mom, weight_decay=wd, decay_mask=decay_mask(names))
+    adamw = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=wd, mask=decay_mask(names))
+    state, astate, p, ap = opt.init(params), adamw.init(params), params, params
+    assert state.nu["w"].size == 0 and state.mu["w"].shape == (2, 6, 10)  # one momentum on Muon's leaves
+    buf = np.zeros((2, 6, 10))
+    want = np.asarray(params["w"], np.float64)
+    for g in grads:
+        u, state = jax.jit(opt.update)(g, state, p)
+        au, astate = jax.jit(adamw.update)(g, astate, ap)
+        p, ap = optax.apply_updates(p, u), optax.apply_updates(ap, au)
+        gw = np.asarray(g["w"], np.float64)
+        buf = mom * buf + gw
+        nesterov = gw + mom * buf
+        want = want - lr * (np.stack([newton_schulz(nesterov[i]) for i in range(2)]) + wd * want)
+        np.testing.assert_allclose(np.asarray(p["w"]), want, atol=1e-5)
+        for k in ("norm", "embed"):
+            np.testing.assert_array_equal(np.asarray(p[k]), np.asarray(ap[k]))
+
+
+# ------------------------------------------------------------------ parity with one device
+
+
+def tiny(mesh=(1, 1, 1), model_keys=None, **parallel):
+    return from_dict({
+        "model": {"arch": "llama", "n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,
+                  "vocab_size": 64, "seq_len": 16, **(model_keys or {})},
+        "mesh": dict(zip(("data", "stage", "model"), mesh)),
+        "parallel": {"zero_min_elements": 0, **parallel},
+        "train": {"steps": 3, "global_batch": 8, "lr": 1e-2, "warmup_steps": 1, "log_every": 1, "optimizer": "muon"}})
+
+
+MOE = {"n_layers": 4, "n_experts": 8, "experts_per_token": 2, "expert_d_ff": 32, "router_aux_loss": 0.01}
+_REF: dict = {}
+
+
+def run(cfg) -> dict:
+    """Losses and gradient norms of every step, the gradients at the initial parameters (from
+    `loss_and_grads`: Muon's momentum is not Adam's first moment) and the final parameters."""
+    out = run_with_loss_and_grads_compiled(cfg)
+    out["skipped"] = int(out["state"].skipped)
+    return out
+
+
+def reference(model_keys=None) -> dict:
+    key = tuple(sorted((model_keys or {}).items()))
+    if key not in _REF:
+        cfg = tiny(model_keys=model_keys)
+        _REF[key] = run(cfg)
+        _REF[key]["init"] = jax.device_get(model.init_params(cfg.model, jax.random.key(cfg.train.seed)))
+    return _REF[key]
+
+
+def check_parity(cfg, model_keys=None):
+    ref = reference(model_keys)
+    out = run(cfg)
+    assert_parity(out, ref)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_parity_data_8(zero):
+    check_parity(tiny((8, 1, 1), zero=zero))
+
+
+SLOW = {
+    "tp2-sp-zero1": (dict(mesh=(4, 1, 2), zero=1, sequence_parallel=True), None),
+    "data8-zero2": (dict(mesh=(8, 1, 1), zero=2), None),
+    "1f1b-2x2x2-zero1": (dict(mesh=(2, 2, 2), zero=1, schedule="1f1b", microbatches=2), None),
+    "moe-ep4-tp2": (dict(mesh=(4, 1, 2), zero=1, sequence_parallel=True), MOE),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW))
+def test_parity_slow(name):
+    parallel, model_keys = SLOW[name]
+    parallel = dict(parallel)
+    check_parity(tiny(parallel.pop("mesh"), model_keys, **parallel), model_keys)
+
+
+# ------------------------------------------------------------------ checkpoints, planner, config
+
+
+def test_checkpoints_refuse_the_other_optimizer_and_reset_on_purpose(tmp_path, caplog):
+    """AdamW's checkpoint is refused by a Muon config in one sentence; train.reset_optimizer keeps
+    its parameters and step with a fresh Muon state (one log line); Muon's own checkpoints (empty
+    second moments on its leaves, ZeRO-1 over 8 devices) resume bit-exact."""
+    run_dir = str(tmp_path / "r")
+    adam = tiny((8, 1, 1), zero=1).replace(train={"optimizer": "adamw", "steps": 2, "run_dir": run_dir,
+                                                   "async_checkpoint": False})
+    jaxpar.train(adam)
+    muon = adam.replace(train={"optimizer": "muon", "steps": 5, "checkpoint_every": 3})
+    with pytest.raises(CheckpointError, match=r"was saved with train\.optimizer = adamw, but this config trains with "
+                                              r"train\.optimizer = muon; resume with train\.optimizer=adamw, or set "
+                                              r"train\.reset_optimizer=true"):
+        jaxpar.train(muon)
+    with caplog.at_level(logging.INFO, logger="jaxpar"):
+        straight = jaxpar.train(muon.replace(train={"reset_optimizer": True}))
+    lines = [r.getMessage() for r in caplog.records if "train.reset_optimizer" in r.getMessage()]
+    assert len(lines) == 1 and "fresh optimizer state" in lines[0], lines
+    assert [r["step"] for r in straight] == [3, 4, 5] and saved_steps(run_dir) == [2, 3, 5]
+    # Muon's checkpoint of step 3 (its momentum, its empty arrays made again) resumes to the same
+    # step 5, whose loss follows the update of step 4 that the restored momentum took part in.
+    again = str(tmp_path / "again")
+    shutil.copytree(run_dir, again)
+    shutil.rmtree(os.path.join(again, "checkpoints", "5"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jaxpar"):
+        resumed = jaxpar.train(muon.replace(train={"run_dir": again, "reset_optimizer": True}))
+    assert not any("fresh optimizer state" in r.getMessage() for r in caplog.records)
+    assert [(r["step"], r["loss"]) for r in resumed] == [(r["step"], r["loss"]) for r in straight if r["step"] > 3]
+
+
+def test_planner_counts_one_momentum_on_muons_leaves():
+    from jaxpar.plan.memory import model_state
+    from jaxpar.train.step import build
+
+    for master in ("none", "float32"):
+        cfg = tiny((8, 1, 1), zero=1).replace(
+            model={"param_dtype": "bfloat16" if master != "none" else "float32"}, train={"master_weights": master})
+        abstract = build(cfg).abstract_state()
+        held = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                   for x in jax.tree.leaves(abstract.opt_state) if x.ndim)
+        assert model_state(cfg, (8, 1, 1))["optimizer"] == held
+        adam = model_state(cfg.replace(train={"optimizer": "adamw"}), (8, 1, 1))["optimizer"]
+        assert model_state(cfg, (8, 1, 1))["optimizer"] < adam
+
+
+def test_bad_values_are_refused_before_compiling():
+    with pytest.raises(ConfigError, match=r"`train.optimizer` got 'sgd', but it must be one of 'adamw', 'muon'"):
+        from_dict({"train": {"optimizer": "sgd"}})
+    with pytest.raises(ConfigError, match=r"`train.muon_ns_dtype` got 'float16', but it must be one of"):
+        from_dict({"train": {"muon_ns_dtype": "float16"}})
+    with pytest.raises(ConfigError, match=r"train.muon_momentum = 1.0 must lie in \[0, 1\)"):
+        validate(tiny().replace(train={"muon_momentum": 1.0}))
