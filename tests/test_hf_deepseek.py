@@ -567,18 +567,109 @@ def test_export_refuses_what_deepseek_v3_lacks(change, message, loaded, tmp_path
     assert not os.listdir(tmp_path), "nothing may be written"
 
 
-def test_multi_token_prediction_modules_are_not_mapped_yet(folders, loaded, tmp_path, caplog):
-    """A model with `mtp_depth` is refused on import in one sentence (its modules have no tensors to
-    come from yet), and exported as its main model with a warning."""
+def _with_mtp_layer(folder: str, dst, seed: int = 5) -> str:
+    """A copy of `folder` with DeepSeek-V3's MTP module as layer 3 (num_hidden_layers): a decoder
+    layer drawn like the others (the last layer's tensors, perturbed), enorm, hnorm, eh_proj,
+    shared_head.norm and the copies of the embedding and the head; num_nextn_predict_layers 1."""
+    from safetensors.numpy import save_file
+
+    out = _copy(folder, dst)
+    tensors = _tensors(out)
+    rng = np.random.default_rng(seed)
+    layer = {n.replace("model.layers.2.", "model.layers.3."): (x + 0.02 * rng.normal(size=x.shape)).astype(x.dtype)
+             for n, x in tensors.items() if ".layers.2." in n}
+    d = tensors["model.norm.weight"].shape[0]
+    layer |= {f"model.layers.3.{k}.weight": (1 + 0.1 * rng.normal(size=d)).astype(np.float32)
+              for k in ("enorm", "hnorm", "shared_head.norm")}
+    layer["model.layers.3.eh_proj.weight"] = (0.05 * rng.normal(size=(d, 2 * d))).astype(np.float32)
+    layer["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    layer["model.layers.3.shared_head.head.weight"] = tensors["lm_head.weight"]
+    save_file({**tensors, **layer}, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    _write_config(out, num_nextn_predict_layers=1)
+    return out
+
+
+def test_multi_token_prediction_module_is_deepseek_v3s(folders, loaded, batch, tmp_path):
+    """A model with `mtp_depth: 1` reads DeepSeek-V3's MTP layer (layer num_hidden_layers), and its
+    depth-1 loss equals DeepSeek-V3's MTP module written in PyTorch over transformers' layer class
+    (vLLM's and Megatron-Core's reading of those tensors): the layer on eh_proj([enorm(embedding of
+    the token 1 ahead); hnorm(the model's final-normed output)]), then shared_head.norm and the head.
+    Export writes the same tensors back, bit for bit, with num_nextn_predict_layers 1; transformers
+    still loads the folder (it builds no MTP module). Without `mtp_depth` the layer is skipped."""
+    from jaxpar.model.mtp import pad
+    from jaxpar.train.step import loss_fn
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    folder = _with_mtp_layer(folders["v3"], tmp_path / "mtp")
+    cfg = dataclasses.replace(loaded["v3"][0], mtp_depth=1)
+    params = hf.load_params(folder, cfg, _one_device(cfg))
+    config = Config(model=cfg).replace(train={"global_batch": BATCH})
+    _, g = jax.jit(jax.value_and_grad(lambda p: loss_fn(config, p, pad(jax.numpy.asarray(batch), 1))))(params)
+    got = np.asarray(g["mtp"]["report"])  # [main, depth 1]
+
+    m = _torch_model(folder)
+    t = {n: torch.tensor(x) for n, x in _tensors(folder).items()}
+    layer = DeepseekV3DecoderLayer(m.config, 3).eval()
+    layer.load_state_dict({n[len("model.layers.3."):]: x for n, x in t.items()
+                           if n.startswith("model.layers.3.") and n.split(".")[3] in ("self_attn", "mlp",
+                           "input_layernorm", "post_attention_layernorm")}, strict=False)
+    if hasattr(layer.mlp, "experts") and hasattr(layer.mlp.experts, "gate_up_proj"):  # transformers 5: fused
+        E = m.config.n_routed_experts
+        with torch.no_grad():
+            layer.mlp.experts.gate_up_proj.copy_(torch.stack([torch.cat(
+                [t[f"model.layers.3.mlp.experts.{e}.gate_proj.weight"], t[f"model.layers.3.mlp.experts.{e}.up_proj.weight"]])
+                for e in range(E)]))
+            layer.mlp.experts.down_proj.copy_(torch.stack([t[f"model.layers.3.mlp.experts.{e}.down_proj.weight"]
+                                                           for e in range(E)]))
+            layer.mlp.gate.e_score_correction_bias.copy_(t["model.layers.3.mlp.gate.e_score_correction_bias"])
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.config.rms_norm_eps)
+
+    ids = torch.tensor(batch)
+    T = SEQ - 1  # positions with a target 2 ahead
+    with torch.no_grad():
+        h0 = m.model(ids[:, :SEQ]).last_hidden_state  # the final-normed output
+        e = m.model.embed_tokens(ids[:, 1:SEQ + 1])
+        x = torch.cat([rms(e, t["model.layers.3.enorm.weight"]), rms(h0, t["model.layers.3.hnorm.weight"])], -1)
+        x = x @ t["model.layers.3.eh_proj.weight"].T
+        positions = torch.arange(SEQ)[None]
+        cos_sin = m.model.rotary_emb(x, positions)
+        mask = torch.triu(torch.full((SEQ, SEQ), float("-inf")), 1)[None, None]
+        x = layer(x, attention_mask=mask, position_embeddings=cos_sin, position_ids=positions)
+        x = x[0] if isinstance(x, tuple) else x
+        logits = m.lm_head(rms(x, t["model.layers.3.shared_head.norm.weight"]))
+        want = torch.nn.functional.cross_entropy(logits[:, :T].reshape(-1, VOCAB), ids[:, 2:].reshape(-1),
+                                                 reduction="sum") / (BATCH * SEQ)
+    # float32 sums in another order (as the logits' tolerance); 1e-4 relative, as the loss above.
+    assert abs(got[1] - float(want)) <= 1e-4 * float(want), (got, float(want))
+
+    out = str(tmp_path / "out")
+    hf.save_params(jax.device_get(params), cfg, out)
+    assert json.load(open(os.path.join(out, "config.json")))["num_nextn_predict_layers"] == 1
+    written, source = _tensors(out), _tensors(folder)
+    assert set(written) == set(source)
+    assert all(np.array_equal(written[n], source[n]) for n in source)
+    _torch_model(out)  # loads, the MTP layer unused
+    main = hf.load_params(folder, loaded["v3"][0], _one_device(loaded["v3"][0]))  # mtp_depth 0: skipped
+    assert "mtp" not in main
+
+
+def test_multi_token_prediction_needs_its_layers(folders, loaded, tmp_path, caplog):
+    """A model with `mtp_depth` from a folder without MTP layers (transformers saves none) is
+    refused in one sentence; a llama-family model's modules are not exported, with a warning."""
     cfg, params = loaded["v3"]
     mtp = dataclasses.replace(cfg, mtp_depth=1)
-    with pytest.raises(hf.HFError, match=r"^model.mtp_depth = 1 asks for multi-token-prediction modules, but .*; "
-                                         r"set model.mtp_depth=0 to load '.*'\.$"):
+    with pytest.raises(hf.HFError, match=r"^model.mtp_depth = 1 reads multi-token prediction module 1 from layer 3 "
+                                         r"of '.*', which has no tensor 'model.layers.3.enorm.weight' .*; set "
+                                         r"model.mtp_depth=0 to load the main model, or start from a checkpoint "
+                                         r"with its MTP layers\.$"):
         hf.load_params(folders["v3"], mtp, _one_device(mtp))
+    llama = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, vocab_size=64, seq_len=16, mtp_depth=1)
     with caplog.at_level(logging.WARNING, logger="jaxpar"):
-        hf.save_params({**params, "mtp": {}}, mtp, str(tmp_path / "out"))
+        hf.save_params(jax.device_get(model.init_params(llama, jax.random.key(0))), llama, str(tmp_path / "out"))
     assert any("multi-token-prediction module(s) are not exported" in r.getMessage() for r in caplog.records)
-    assert set(_tensors(tmp_path / "out")) == set(_tensors(folders["v3"]))
+    assert not any(".layers.2." in n for n in _tensors(tmp_path / "out"))
 
 
 def test_load_refuses_another_latent_attention(folders):

@@ -164,3 +164,14 @@ def test_model_flops_count_the_mtp_modules():
     assert active(two) - active(base) == 2 * module
     assert model_flops_per_token(two) - model_flops_per_token(base) == 6 * 2 * module + 6 * 2 * (d + d) * S \
         + 6 * 2 * d * V
+
+
+def test_a_batch_log_line_shows_the_mtp_loss():
+    """The logged line carries the MTP loss beside the main one (and each depth's with several)."""
+    from jaxpar.train.progress import line
+
+    rec = {"step": 3, "loss": 4.1, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 100.0, "model_tflops_per_device": 0.1,
+           "step_time_s": 1.0, "device_wait_s": 0.9, "skipped_steps": 0, "mtp_loss": 4.5}
+    assert " mtp 4.5000" in line(rec, 10, 1.0)
+    two = {**rec, "mtp_loss_1": 4.4, "mtp_loss_2": 4.6}
+    assert " mtp 4.5000 (4.4000 4.6000)" in line(two, 10, 1.0)

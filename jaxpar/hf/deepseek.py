@@ -17,8 +17,13 @@ qk_rope_head_dim rows; transformers' `apply_rotary_pos_emb_interleave` computes 
 half-rotation of those columns, so the logits are the same. Export writes the inverse and
 `rope_interleave: true`; a folder with `rope_interleave: false` is read without permutation.
 
-Checkpoint layers numbered num_hidden_layers and above (DeepSeek-V3's multi-token-prediction
-module, `model.layers.61.*`) are not read yet: the loader skips them with a warning.
+Multi-token prediction: DeepSeek-V3's checkpoints hold module k as layer num_hidden_layers + k
+(`model.layers.61.*`): a decoder layer, `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`, and copies
+of the embedding (`embed_tokens`) and the head (`shared_head.head`). A model with `mtp_depth` D reads
+the first D such layers into `mtp` (the copies are not read: the model's own are shared), and
+export writes them, the copies included, with `num_nextn_predict_layers` D (transformers builds no
+MTP module and does not load them). With fewer modules than the folder holds, the import skips
+the rest with a warning; a folder saved by transformers holds none.
 """
 
 from __future__ import annotations
@@ -163,8 +168,8 @@ def config_keys(cfg: ModelConfig, positions: int, rope_scaling: dict | None) -> 
         "max_position_embeddings": positions, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": rope_scaling, "rope_interleave": True, "attention_bias": False,
         "tie_word_embeddings": cfg.tied, "initializer_range": cfg.init_std, "torch_dtype": cfg.param_dtype,
-        # Multi-token prediction is not built: no such layers are written.
-        "num_nextn_predict_layers": 0,
+        # Multi-token prediction's modules, written as the layers after the model's (`mtp_entries`).
+        "num_nextn_predict_layers": cfg.mtp_depth,
         # Keys of DeepSeek's own code, for the readers that check them.
         "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
     }
@@ -286,7 +291,31 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def beyond(cfg: ModelConfig, name: str) -> bool:
-    """Is `name` a tensor of a checkpoint layer past the model's (DeepSeek-V3's multi-token
-    prediction module, `model.layers.61.*`), which the import skips?"""
+    """Is `name` a tensor of a checkpoint layer past the model's and its MTP modules' (DeepSeek-V3's
+    multi-token prediction module, `model.layers.61.*`, when `mtp_depth` is 0), which the import
+    skips?"""
     m = _LAYER.match(name)
-    return m is not None and int(m[1]) >= cfg.n_layers
+    return m is not None and int(m[1]) >= cfg.n_layers + cfg.mtp_depth
+
+
+# The MTP layers' copies of the embedding and the head: written on export, not read (shared).
+COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def mtp_entries(cfg: ModelConfig, block_entries: list[Entry]) -> list[Entry]:
+    """The entries of the `mtp_depth` modules: the MTP leaves of depth k from layer n_layers + k,
+    the block's from `block_entries` (one MoE or dense layer's entries) moved under `mtp`."""
+    D, d = cfg.d_model, cfg.mtp_depth
+    layers = tuple(range(cfg.n_layers, cfg.n_layers + d))
+    own = [Entry(("mtp", "enorm"), "model.layers.{i}.enorm.weight", "same", (D,), layers=layers),
+           Entry(("mtp", "hnorm"), "model.layers.{i}.hnorm.weight", "same", (D,), layers=layers),
+           Entry(("mtp", "eh_proj"), "model.layers.{i}.eh_proj.weight", "t", (D, 2 * D), layers=layers),
+           Entry(("mtp", "norm"), "model.layers.{i}.shared_head.norm.weight", "same", (D,), layers=layers)]
+    return own + [e._replace(path=("mtp", *e.path), layers=layers) for e in block_entries if e.path[0] == "blocks"]
+
+
+def is_copy(cfg: ModelConfig, name: str) -> bool:
+    """Is `name` an MTP layer's copy of the embedding or the head (not read)?"""
+    m = _LAYER.match(name)
+    return (m is not None and cfg.n_layers <= int(m[1]) < cfg.n_layers + cfg.mtp_depth
+            and name[m.end():] in COPIES)

@@ -54,6 +54,12 @@ def entries(cfg: ModelConfig, prefix: str = "", *, fused: bool = False, interlea
     if cfg.block != "pre_norm":
         raise HFError(f"model.block = {cfg.block!r} has no Hugging Face counterpart (transformers' llama and gpt2 "
                       "are pre_norm blocks); convert only models with model.block=pre_norm.")
+    if cfg.mtp_depth:  # the main model's entries; an MLA model's MTP modules as DeepSeek-V3's layers after them
+        main = dataclasses.replace(cfg, mtp_depth=0)
+        if not cfg.mla:  # no Hugging Face family of the llama architecture stores them
+            return entries(main, prefix, fused=fused, interleave=interleave)
+        block = entries(dataclasses.replace(main, moe_layers="all"), prefix, fused=fused, interleave=interleave)
+        return entries(main, prefix, fused=fused, interleave=interleave) + deepseek.mtp_entries(cfg, block)
     if cfg.mixed:  # dense and MoE layers (`model.moe_layers`): each stack's entries, at its layers
         order, out = layer_order(cfg), []
         kinds = (("dense", dense_config(cfg)), ("moe", dataclasses.replace(cfg, moe_layers="all")))
@@ -117,7 +123,8 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
 def _ignored(cfg: ModelConfig, name: str) -> bool:
-    return name.endswith(_IGNORED_SUFFIXES) or (cfg.tied and name == "lm_head.weight")
+    return (name.endswith(_IGNORED_SUFFIXES) or (cfg.tied and name == "lm_head.weight")
+            or (cfg.mla and deepseek.is_copy(cfg, name)))
 
 
 def _layer_names(cfg: ModelConfig, e: Entry) -> list[str]:
@@ -222,7 +229,7 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
 def read_leaf(cfg: ModelConfig, e: Entry, get: Getter, idx: tuple, shape: tuple[int, ...]) -> np.ndarray:
     """The slice `idx` (of the global jaxpar shape `shape`) of parameter `e`, as float32."""
     idx = _normalize(idx, shape)
-    if e.path[0] != "blocks":
+    if "{i}" not in e.hf:  # not a stack of layers (blocks, MTP modules)
         return _read(cfg, e, e.hf, get, idx).astype(np.float32)
     layers = [i if e.layers is None else e.layers[i] for i in range(idx[0].start, idx[0].stop)]
     return np.stack([_read(cfg, e, e.hf.replace("{i}", str(i)), get, idx[1:]).astype(np.float32)
@@ -244,10 +251,13 @@ def from_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, interleave
 
 
 def _buffers(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
-    """The leaves no HF tensor holds (zeros on import, never exported): the MoE routers' report."""
+    """The leaves no HF tensor holds (zeros on import, never exported): the MoE routers' report and
+    the MTP modules' (`jaxpar.model.mtp`)."""
+    mtp = (("mtp", "report"),) + ((("mtp", "blocks", "mlp", "router_stats"),) if cfg.moe else ()) \
+        if cfg.mtp_depth and cfg.mla else ()
     if not cfg.moe:
-        return ()
-    return tuple(("blocks", "moe", *p[1:]) for p in moe.BUFFERS) if cfg.mixed else moe.BUFFERS
+        return mtp
+    return (tuple(("blocks", "moe", *p[1:]) for p in moe.BUFFERS) if cfg.mixed else moe.BUFFERS) + mtp
 
 
 def to_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -257,9 +267,14 @@ def to_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     for e in entries(cfg, "transformer." if cfg.arch == "gpt2" else ""):
         x = np.asarray(_leaf(params, e.path))
         for i, name in enumerate(_layer_names(cfg, e)):
-            xi = x[i] if e.path[0] == "blocks" else x
+            xi = x[i] if "{i}" in e.hf else x
             for n, t in moe.write(e, name, xi) if e.kind in moe.KINDS else [(name, _write(cfg, e, xi))]:
                 parts.setdefault(n, []).append((e.offset, t))
+    if cfg.mtp_depth and cfg.mla:  # each MTP layer's copies of the embedding and the head, as DeepSeek-V3's
+        head = "model.embed_tokens.weight" if cfg.tied else "lm_head.weight"
+        for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth):
+            for copy, src in zip(deepseek.COPIES, ("model.embed_tokens.weight", head)):
+                parts[f"model.layers.{i}.{copy}"] = parts[src]
     order = sorted(parts, key=_hf_order)
     return {n: np.ascontiguousarray(np.concatenate([p for _, p in sorted(parts[n], key=lambda q: q[0])], axis=-1))
             for n in order}
@@ -341,6 +356,9 @@ def _check_tensors(cfg: ModelConfig, tf: _Folder, hf_cfg: ModelConfig) -> list[E
     (but the layers past num_hidden_layers of an MLA folder: multi-token prediction, skipped)."""
     fused = moe.is_fused(hf_cfg, tf.where)
     interleave = deepseek.interleaved(read_hf_config(tf.folder)) if hf_cfg.mla else True
+    # (The MTP modules `cfg` asks for are layers after the model's: config.json does not say whether
+    # the folder holds them, its tensors do.)
+    hf_cfg = dataclasses.replace(hf_cfg, mtp_depth=cfg.mtp_depth) if hf_cfg.mla else hf_cfg
     es = entries(hf_cfg, _gpt2_prefix(cfg, tf.where), fused=fused, interleave=interleave)
     expected = {}
     for e in es:
@@ -348,6 +366,12 @@ def _check_tensors(cfg: ModelConfig, tf: _Folder, hf_cfg: ModelConfig) -> list[E
             expected[name] = e.hf_shape
     config = os.path.join(tf.folder, "config.json")
     for name, shape in expected.items():
+        if name not in tf.where and hf_cfg.mla and deepseek.beyond(dataclasses.replace(hf_cfg, mtp_depth=0), name):
+            raise HFError(f"model.mtp_depth = {cfg.mtp_depth} reads multi-token prediction module "
+                          f"{int(name.split('.')[2]) - hf_cfg.n_layers + 1} from layer {name.split('.')[2]} of "
+                          f"{tf.folder!r}, which has no tensor {name!r} (a folder saved by transformers holds no "
+                          "MTP layers); set model.mtp_depth=0 to load the main model, or start from a checkpoint "
+                          "with its MTP layers.")
         if name not in tf.where:
             raise HFError(f"tensor {name!r} that config.json of a {cfg.arch} model implies is in none of the "
                           f"safetensors files of {tf.folder!r}; the folder is incomplete or its config.json is "
@@ -360,8 +384,9 @@ def _check_tensors(cfg: ModelConfig, tf: _Folder, hf_cfg: ModelConfig) -> list[E
     if beyond:
         layers = sorted({int(n.split(".")[2]) for n in beyond})
         log.warning(f"{tf.folder}: {len(beyond)} tensors of layers {', '.join(map(str, layers))} (past "
-                    f"num_hidden_layers = {hf_cfg.n_layers}: multi-token prediction) are not read; jaxpar does "
-                    "not build that module yet.")
+                    f"num_hidden_layers = {hf_cfg.n_layers}: multi-token prediction) are not read, as "
+                    f"model.mtp_depth = {cfg.mtp_depth} asks; set it to {max(layers) - hf_cfg.n_layers + 1} to train "
+                    "them.")
     extra = sorted(n for n in tf.where if n not in expected and n not in beyond and not _ignored(cfg, n))
     if extra:
         raise HFError(f"tensor {extra[0]!r} in {os.path.join(tf.folder, tf.where[extra[0]])!r} has no place in "
@@ -381,11 +406,10 @@ def load_params(folder: str, cfg, shardings: Any) -> dict:
     from safetensors import safe_open
 
     mcfg = getattr(cfg, "model", cfg)
-    depth = getattr(mcfg, "mtp_depth", 0)
-    if depth:
-        raise HFError(f"model.mtp_depth = {depth} asks for multi-token-prediction modules, but jaxpar does not read "
-                      "them from Hugging Face tensors yet (DeepSeek-V3's model.layers.61.*); set model.mtp_depth=0 to "
-                      f"load {folder!r}.")
+    if mcfg.mtp_depth and not mcfg.mla:
+        raise HFError(f"model.mtp_depth = {mcfg.mtp_depth} asks for multi-token-prediction modules, which only "
+                      "deepseek_v3 folders hold (a model with model.kv_lora_rank); set model.mtp_depth=0 to load "
+                      f"{folder!r}.")
     hf_cfg = check_matches(mcfg, folder)
     tf = _index(folder)
     es = _check_tensors(mcfg, tf, hf_cfg)
@@ -442,9 +466,13 @@ def save_params(params: dict, cfg, folder: str, *, max_shard_bytes: int = MAX_SH
         raise HFError(f"{folder!r} already exists; choose a new folder (nothing is overwritten).")
     parent = os.path.dirname(folder)
     config = hf_config(mcfg)  # first: it refuses what the family cannot say
-    if getattr(mcfg, "mtp_depth", 0):
-        log.warning(f"{folder}: the model's {mcfg.mtp_depth} multi-token-prediction module(s) are not exported (jaxpar "
-                    "does not write them as Hugging Face tensors yet); the folder holds the main model.")
+    if mcfg.mtp_depth and not mcfg.mla:
+        log.warning(f"{folder}: the model's {mcfg.mtp_depth} multi-token-prediction module(s) are not exported (only "
+                    "deepseek_v3 folders hold them); the folder holds the main model.")
+    elif mcfg.mtp_depth:
+        log.info(f"{folder}: the {mcfg.mtp_depth} multi-token-prediction module(s) are written as layers "
+                 f"{mcfg.n_layers}..{mcfg.n_layers + mcfg.mtp_depth - 1}, as DeepSeek-V3's; transformers does not "
+                 "load them (it builds no MTP module).")
     tensors = to_tensors(mcfg, params)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

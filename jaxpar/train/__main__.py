@@ -128,17 +128,20 @@ def main(argv=None) -> int:
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}")]
         if cfg.train.eval_every > 0:
             columns.append(TextColumn("val {task.fields[val]}"))
+        if cfg.model.mtp_depth:  # multi-token prediction's loss (`loss` is the main one)
+            columns.append(TextColumn("mtp {task.fields[mtp]}"))
         if cfg.model.moe:  # the routers: losses and the extreme expert loads (1 = the mean load)
             columns.append(TextColumn("moe {task.fields[moe]}"))
         progress = Progress(*columns, TextColumn("{task.fields[tps]} tok/s"), TextColumn("{task.fields[eff]}"),
                             TimeRemainingColumn(), console=console, disable=not live)
         with progress:
-            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-", val="-", eff="", moe="-")
+            task = progress.add_task("train", total=cfg.train.steps, loss="-", tps="-", val="-", eff="", moe="-",
+                                     mtp="-")
 
             def show(rec: dict) -> None:
                 f = lines.fields(rec)
                 progress.update(task, completed=rec["step"], loss=f["loss"], tps=f["tps"], eff=f["eff"],
-                                **{k: f[k] for k in ("val", "moe") if k in f})
+                                **{k: f[k] for k in ("val", "moe", "mtp") if k in f})
 
             try:
                 records = train(cfg, callback=show if live else None, prepared=run)

@@ -20,7 +20,7 @@ log = logging.getLogger("jaxpar.progress")
 
 def fields(rec: dict) -> dict[str, str]:
     """The formatted pieces of a record: loss, grad norm, lr, tokens/s, efficiency, and where
-    present the validation loss and the routers' figures."""
+    present the validation loss, the routers' figures and the MTP loss."""
     out = {"loss": f"{rec['loss']:.4f}", "grad_norm": f"{rec['grad_norm']:.3g}", "lr": f"{rec['lr']:.3g}",
            "tps": f"{rec['tokens_per_s']:,.0f}", "eff": efficiency.describe(rec)}
     if "val_loss" in rec:
@@ -29,6 +29,11 @@ def fields(rec: dict) -> dict[str, str]:
         dropped = f" dropped {rec['moe_dropped']:.1%}" if "moe_dropped" in rec else ""
         out["moe"] = (f"aux {rec['moe_aux_loss']:.3f} z {rec['moe_z_loss']:.3f} load "
                       f"{rec['moe_min_load']:.2f}-{rec['moe_max_load']:.2f}{dropped}")
+    if "mtp_loss" in rec:  # multi-token prediction: the mean over depths (and each, with several)
+        depths = sorted(k for k in rec if k.startswith("mtp_loss_"))
+        out["mtp"] = f"{rec['mtp_loss']:.4f}" + (
+            f" ({' '.join(f'{rec[k]:.4f}' for k in sorted(depths, key=lambda k: int(k.rsplit('_', 1)[1])))})"
+            if depths else "")
     if rec.get("skipped_steps"):
         out["skipped"] = str(rec["skipped_steps"])
     return out
@@ -41,7 +46,7 @@ def line(rec: dict, total: int, eta_s: float | None) -> str:
     eta = "-" if eta_s is None else str(datetime.timedelta(seconds=round(eta_s)))
     text = (f"step {rec['step']}/{total} loss {f['loss']} grad_norm {f['grad_norm']} lr {f['lr']} "
             f"tok/s {f['tps']} {f['eff']} ETA {eta}")
-    for key in ("val", "moe", "skipped"):
+    for key in ("val", "mtp", "moe", "skipped"):
         if key in f:
             text += f" {key} {f[key]}"
     return text
