@@ -110,6 +110,7 @@ _REF = {}
     ((8, 1, 1), {"zero": 1}),
     ((4, 1, 2), {"zero": 3}),
     ((2, 2, 2), {"schedule": "1f1b"}),
+    pytest.param((2, 1, 4), {}, marks=pytest.mark.slow),
     pytest.param((1, 4, 2), {"schedule": "zb_h1", "zero": 2}, marks=pytest.mark.slow),
     pytest.param((4, 1, 1), {"context": 2, "context_attention": "ring"}, marks=pytest.mark.slow),
 ])
