@@ -282,3 +282,42 @@ def assert_kv_cache_equals_recomputation(cfg, params, vocab: int, seed: int | No
     assert new == list(toks[0, len(prompt):])
     return new
 
+
+def record_reads(monkeypatch) -> list[tuple[str, tuple]]:
+    """Every (tensor, slice bounds, elements) `jaxpar.hf.load_params` reads from a safetensors file, in
+    order (safetensors' `safe_open` patched for the test)."""
+    import safetensors
+
+    reads, real = [], safetensors.safe_open
+
+    class Slice:
+        def __init__(self, inner, name):
+            self.inner, self.name = inner, name
+
+        def get_shape(self):
+            return self.inner.get_shape()
+
+        def __getitem__(self, sl):
+            out = self.inner[sl]
+            reads.append((self.name, tuple((s.start, s.stop) for s in sl), out.size))
+            return out
+
+    class Handle:
+        def __init__(self, *args, **kwargs):
+            self.inner = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            return Slice(self.inner.get_slice(name), name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Handle)
+    return reads

@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):
     pytest.skip("transformers without DeepSeek-V3 (added in 4.51)", allow_module_level=True)
 
-from helpers import copy_folder as _copy, write_hf_config as _write_config  # noqa: E402
+from helpers import copy_folder as _copy, record_reads, write_hf_config as _write_config  # noqa: E402
 from jaxpar import hf, model  # noqa: E402
 from jaxpar.config import Config, ModelConfig  # noqa: E402
 from jaxpar.generate import generate  # noqa: E402
@@ -342,45 +342,6 @@ def test_export_of_a_new_model_loads_in_transformers(tmp_path):
 # Each device reads its slices only
 
 
-def _record_reads(monkeypatch) -> list[tuple[str, int]]:
-    """Every (tensor, elements) `load_params` reads from a safetensors file (test_hf_moe.py's)."""
-    import safetensors
-
-    reads, real = [], safetensors.safe_open
-
-    class Slice:
-        def __init__(self, inner, name):
-            self.inner, self.name = inner, name
-
-        def get_shape(self):
-            return self.inner.get_shape()
-
-        def __getitem__(self, sl):
-            out = self.inner[sl]
-            reads.append((self.name, out.size))
-            return out
-
-    class Handle:
-        def __init__(self, *args, **kwargs):
-            self.inner = real(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_slice(self, name):
-            return Slice(self.inner.get_slice(name), name)
-
-    monkeypatch.setattr(safetensors, "safe_open", Handle)
-    return reads
-
-
 def test_each_device_reads_only_its_slices(folders, loaded, monkeypatch):
     """On data 2 (experts split over it) x model 2 (heads split), and under ZeRO-3 on data 4 x
     model 2: every array equals the single-device import; `load_params` reads every tensor's
@@ -393,13 +354,13 @@ def test_each_device_reads_only_its_slices(folders, loaded, monkeypatch):
         cfg = Config(model=mcfg).replace(mesh=dict(zip(("data", "stage", "model"), sizes)), parallel=parallel,
                                          train={"global_batch": 4})
         shardings = build(cfg, make_mesh(cfg, jax.devices()[:int(np.prod(sizes))])).state_shardings.params
-        reads = _record_reads(monkeypatch)
+        reads = record_reads(monkeypatch)
         params = hf.load_params(folder, cfg, shardings)
         monkeypatch.undo()
         for got, ref, s in zip(jax.tree.leaves(params), jax.tree.leaves(want), jax.tree.leaves(shardings), strict=True):
             assert got.sharding == s and np.array_equal(got, ref)
         total: dict[str, int] = {}
-        for name, size in reads:
+        for name, _, size in reads:
             total[name] = total.get(name, 0) + size
         assert total == {n: x.size for n, x in tensors.items()}, "every element read once in all, nothing more"
         split = set()

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3MoeForCausalLM"):
     pytest.skip("transformers without Qwen3-MoE (added in 4.51)", allow_module_level=True)
 
-from helpers import copy_folder as _copy, write_hf_config as _write_config  # noqa: E402
+from helpers import copy_folder as _copy, record_reads, write_hf_config as _write_config  # noqa: E402
 from jaxpar import hf, model  # noqa: E402
 from jaxpar.config import Config  # noqa: E402
 
@@ -194,43 +194,6 @@ def test_round_trip(arch, layout, folders, loaded, reference, ids, tmp_path):
         assert np.array_equal(a, b)
 
 
-def _record_reads(monkeypatch) -> list[tuple[str, tuple]]:
-    """Every (tensor, slice) `load_params` reads from a safetensors file, in order."""
-    import safetensors
-
-    reads, real = [], safetensors.safe_open
-
-    class Slice:
-        def __init__(self, inner, name):
-            self.inner, self.name = inner, name
-
-        def get_shape(self):
-            return self.inner.get_shape()
-
-        def __getitem__(self, sl):
-            out = self.inner[sl]
-            reads.append((self.name, tuple((s.start, s.stop) for s in sl), out.size))
-            return out
-
-    class Handle:
-        def __init__(self, *args, **kwargs):
-            self.inner = real(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_slice(self, name):
-            return Slice(self.inner.get_slice(name), name)
-
-    monkeypatch.setattr(safetensors, "safe_open", Handle)
-    return reads
 
 
 @pytest.mark.parametrize("layout", ["experts", "fused"])
@@ -248,7 +211,7 @@ def test_each_device_reads_only_its_experts(arch, layout, folders, loaded, monke
     for mesh, spec in ((Mesh(devices[:2], ("x",)), experts), (Mesh(devices.reshape(2, 2), ("x", "y")), experts_and_width)):
         shardings = jax.tree_util.tree_map_with_path(
             lambda path, _: NamedSharding(mesh, spec.get(path[-1].key, P())), model.param_shapes(cfg))
-        reads = _record_reads(monkeypatch)
+        reads = record_reads(monkeypatch)
         params = hf.load_params(folder, cfg, shardings)
         monkeypatch.undo()
         for got, ref, s in zip(jax.tree.leaves(params), jax.tree.leaves(want), jax.tree.leaves(shardings), strict=True):
@@ -382,7 +345,7 @@ def test_each_device_reads_its_slice_of_every_expert(layout, folders, loaded, mo
     embed = {"w_gate": P(None, None, "x"), "w_up": P(None, None, "x"), "w_down": P(None, None, None, "x")}
     shardings = jax.tree_util.tree_map_with_path(
         lambda path, _: NamedSharding(mesh, embed.get(path[-1].key, P())), model.param_shapes(cfg))
-    reads = _record_reads(monkeypatch)
+    reads = record_reads(monkeypatch)
     params = hf.load_params(folder, cfg, shardings)
     monkeypatch.undo()
     for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
