@@ -435,7 +435,7 @@ class Checkpoints:
                 meta = read_meta(self.run_dir, step)
                 check_format(path)
                 reset = check_compatible(meta, path, abstract["params"], abstract["opt_state"], tr.optimizer,
-                                         tr.reset_optimizer)
+                                         self.cfg.train.reset_optimizer)
                 state = self._read(path, abstract, fresh_optimizer=reset)
             except Exception as e:  # noqa: BLE001  (classified below, and re-raised unless it is damage)
                 error, reason = e, damage(e, path)
@@ -463,8 +463,9 @@ class Checkpoints:
             if reset:  # train.reset_optimizer: its parameters, a fresh optimizer state
                 state["opt_state"] = jax.jit(program.optimizer.init, out_shardings=program.state_shardings.opt_state)(
                     state["params"])
-                log.info("train.reset_optimizer: checkpoint %s holds %s optimizer state that does not fit this config's "
-                         "(train.optimizer = %s); resuming its parameters and step %d with a fresh optimizer state",
+                log.info("train.reset_optimizer: checkpoint %s holds %s optimizer state that does not fit this "
+                         "config's (train.optimizer = %s); resuming its parameters and step %d with a fresh optimizer "
+                         "state",
                          path, saved_optimizer(meta), tr.optimizer, step)
             elif naive:
                 state["opt_state"] = from_canonical_opt_state(program, state["opt_state"])
