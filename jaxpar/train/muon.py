@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 from optax.contrib._muon import orthogonalize_via_newton_schulz
 
@@ -104,6 +105,93 @@ def orthogonalize(u: jax.Array, names: tuple[str, ...], ns_dtype: Any = jnp.floa
     return (o.astype(jnp.float32) * rms_scale(u.shape, names)).astype(u.dtype)
 
 
+def owner_axes(mesh: Mesh | None) -> tuple[str, ...]:
+    """The mesh axes over which whole matrices are dealt out to owning ranks (every axis of size
+    more than 1); () without a mesh, on one device, or inside a shard_map manual over an axis
+    (the constraint is then not expressible): Newton-Schulz then runs as XLA partitions it."""
+    if mesh is None:
+        return ()
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        return ()
+    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+
+
+def _spec_axes(spec: P) -> tuple[str, ...]:
+    return tuple(a for ax in spec for a in ((ax,) if isinstance(ax, str) else ax or ()))
+
+
+def _as_matrices(u: jax.Array, names: tuple[str, ...]) -> tuple[jax.Array, tuple]:
+    """`u` as its logical matrices [M, a, b] with a <= b (transposed where m > n), and what
+    `_from_matrices` needs to put them back."""
+    ins, outs = matrix_axes(names)
+    stack = tuple(i for i in range(u.ndim) if i not in ins + outs)
+    perm = stack + ins + outs
+    x = jnp.transpose(u, perm)
+    m, n = math.prod(u.shape[i] for i in ins), math.prod(u.shape[i] for i in outs)
+    x = x.reshape(-1, m, n)
+    if m > n:
+        x = jnp.swapaxes(x, 1, 2)
+    return x, (perm, tuple(u.shape[i] for i in perm), m > n)
+
+
+def _from_matrices(x: jax.Array, how: tuple) -> jax.Array:
+    perm, shape, transposed = how
+    if transposed:
+        x = jnp.swapaxes(x, 1, 2)
+    return jnp.transpose(x.reshape(shape), tuple(perm.index(i) for i in range(len(perm))))
+
+
+def orthogonalize_owned(us: list[jax.Array], names: list[tuple[str, ...]], mesh: Mesh, axes: tuple[str, ...],
+                        ns_dtype: Any = jnp.float32, specs: list[P] | None = None) -> list[jax.Array]:
+    """`orthogonalize` of each of `us` (Muon's leaves, names `names`), with each logical matrix
+    computed whole on one owning rank (Megatron-Core's layer-wise distributed optimizer, torchtitan's
+    DistMuon, in SPMD): the matrices of every leaf, as [M, a, b] with a <= b, are stacked with those
+    of the same shape from the other leaves, padded with zero matrices (Newton-Schulz maps them to
+    zeros) to a multiple of the ranks of `axes`, and constrained sharded over `axes` on their first
+    dim: each rank runs its M / ranks whole matrices, with no collective inside the iterations, and
+    XLA moves each momentum there and the result back once each way: to `specs` (the leaves'
+    PartitionSpecs in the state's layout: a group whose leaves are all replicated over `axes`,
+    ZeRO-0, is all-gathered whole, one collective) or, without them, to the layout the step
+    constrains the updates to."""
+    ranks = math.prod(mesh.shape[a] for a in axes)
+    owned = NamedSharding(mesh, P(axes, None, None))
+    groups: dict[tuple, list[int]] = {}
+    mats, hows = [], []
+    for i, (u, n) in enumerate(zip(us, names)):
+        if specs is not None:  # the momentum where the state keeps it (not its owners' layout propagated back)
+            u = jax.lax.with_sharding_constraint(u, NamedSharding(mesh, specs[i]))
+        x, how = _as_matrices(u.astype(ns_dtype), n)
+        mats.append(x)
+        hows.append(how)
+        groups.setdefault(x.shape[1:], []).append(i)
+    out: list[Any] = [None] * len(us)
+    dims = MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,))
+    for members in groups.values():
+        x = jnp.concatenate([mats[i] for i in members]) if len(members) > 1 else mats[members[0]]
+        total = x.shape[0]
+        pad = -total % ranks
+        if pad:
+            x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
+        replicated = specs is not None and not any(set(_spec_axes(specs[i])) & set(axes) for i in members)
+        if replicated:  # ZeRO-0: every rank slices its own matrices out of the whole stack
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+        x = jax.lax.with_sharding_constraint(x, owned)
+        o = orthogonalize_via_newton_schulz(x, jnp.asarray(NS_COEFFS), NS_STEPS, "frobenius", NS_EPS, dims)
+        o = jax.lax.with_sharding_constraint(o, owned)
+        if replicated:
+            o = jax.lax.with_sharding_constraint(o, NamedSharding(mesh, P()))  # replicated leaves: one gather
+        start = 0
+        for i in members:
+            count = mats[i].shape[0]
+            u, n = us[i], names[i]
+            o_i = _from_matrices(o[start:start + count], hows[i])
+            o_i = (o_i.astype(jnp.float32) * rms_scale(u.shape, n)).astype(u.dtype)
+            out[i] = o_i if specs is None else jax.lax.with_sharding_constraint(o_i, NamedSharding(mesh, specs[i]))
+            start += count
+    return out
+
+
 class MuonState(NamedTuple):
     """Muon's and AdamW's state, `mu` and `nu` shaped like the parameters (module docstring)."""
 
@@ -118,11 +206,15 @@ def _empty(x) -> jax.Array:
 
 def muon(learning_rate: optax.ScalarOrSchedule, names: Any, *, momentum: float = 0.95, b1: float = 0.9,
          b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.0, decay_mask: Any = None,
-         ns_dtype: Any = jnp.float32) -> optax.GradientTransformation:
+         ns_dtype: Any = jnp.float32, mesh: Mesh | None = None, specs: Any = None
+         ) -> optax.GradientTransformation:
     """Muon on the leaves `takes_muon` picks from `names` (the parameters' logical dim names),
     AdamW (`optax.adamw`'s update, b1, b2, eps) on the others; decoupled weight decay
     `weight_decay` on the leaves `decay_mask` marks (every leaf when None), both scaled by
-    `learning_rate`."""
+    `learning_rate`. With the train step's `mesh` (more than one device), each logical matrix's
+    Newton-Schulz runs whole on one owning rank (`orthogonalize_owned`), its result laid out by
+    `specs` (PartitionSpecs like `names`: the step's optimizer-state layout) where given; without
+    a mesh, or on one device, as XLA partitions it (the same program as without a mesh)."""
     takes = muon_leaves(names)
     mask = jax.tree.map(lambda _: True, takes) if decay_mask is None else decay_mask
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
@@ -147,8 +239,17 @@ def muon(learning_rate: optax.ScalarOrSchedule, names: Any, *, momentum: float =
             state.count, split(state.mu, hole), split(state.nu, hole)))
         # Muon's leaves: Nesterov momentum (buf = m buf + g; g + m buf), then Newton-Schulz.
         muon_u, trace_state = trace.update(split(updates, part), optax.TraceState(split(state.mu, part)))
-        muon_u = jax.tree.map(lambda t, u, n: orthogonalize(u, n, ns_dtype) if t else None, takes, muon_u, names,
-                              is_leaf=lambda x: x is None or _is_names(x))
+        axes = owner_axes(mesh)
+        if axes:
+            flat, tree = jax.tree.flatten(muon_u)  # (None, AdamW's leaves, is not a leaf)
+            flat_names = [n for t, n in zip(jax.tree.leaves(takes), jax.tree.leaves(names, is_leaf=_is_names)) if t]
+            flat_specs = None if specs is None else [
+                sp for t, sp in zip(jax.tree.leaves(takes), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+                if t]
+            muon_u = jax.tree.unflatten(tree, orthogonalize_owned(flat, flat_names, mesh, axes, ns_dtype, flat_specs))
+        else:
+            muon_u = jax.tree.map(lambda t, u, n: orthogonalize(u, n, ns_dtype) if t else None, takes, muon_u, names,
+                                  is_leaf=lambda x: x is None or _is_names(x))
         step_size = -schedule(state.count)
         new = jax.tree.map(lambda t, a, m: m if t else a, takes, adam_u, muon_u, is_leaf=lambda x: x is None)
         new = jax.tree.map(lambda u, p, d: u + weight_decay * p if d and weight_decay else u, new, params, mask)

@@ -78,14 +78,17 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
-def make_optimizer(tr: TrainConfig, names: Any) -> optax.GradientTransformation:
+def make_optimizer(tr: TrainConfig, names: Any, mesh: Any = None, specs: Any = None) -> optax.GradientTransformation:
     """AdamW (or Muon, `tr.optimizer`) over a parameter tree whose logical dim names are `names`
-    (on a float32 master copy when `tr.master_weights` is set), after global-norm clipping."""
+    (on a float32 master copy when `tr.master_weights` is set), after global-norm clipping. Muon
+    given the step's `mesh` (and `specs`, its optimizer-state layout: `Layout.moments`)
+    orthogonalizes each matrix on one owning rank (`jaxpar.train.muon`)."""
     if tr.optimizer == "muon":
         from jaxpar.train.muon import muon
 
         adamw = muon(lr_schedule(tr), names, momentum=tr.muon_momentum, b1=tr.b1, b2=tr.b2,
-                     weight_decay=tr.weight_decay, decay_mask=decay_mask(names), ns_dtype=jnp.dtype(tr.muon_ns_dtype))
+                     weight_decay=tr.weight_decay, decay_mask=decay_mask(names), ns_dtype=jnp.dtype(tr.muon_ns_dtype),
+                     mesh=mesh, specs=specs)
     else:
         adamw = optax.adamw(lr_schedule(tr), b1=tr.b1, b2=tr.b2, weight_decay=tr.weight_decay,
                             mask=decay_mask(names))
