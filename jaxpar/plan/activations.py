@@ -37,25 +37,30 @@ def saved_activation_bytes(mcfg, rows: int, t: int, sp: bool, remat: str, head: 
     from jax._src.ad_checkpoint import saved_residuals  # no public spelling in jax 0.10
 
     from jaxpar.sharding import LOGICAL_NAMES, Rules, TensorParallel, activation_rules
+    from jaxpar.model import mtp
     from jaxpar.model.loss import cross_entropy_sum
+    from jaxpar.model.transformer import REMAT_POLICIES
 
     names, shapes = model.param_names(mcfg), model.param_shapes(mcfg)
     split = set(_TP_NAMES) | ({"kv_heads"} if mcfg.kv_heads % t == 0 else set())
     local = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(
         tuple(x // t if name in split and t > 1 else x for x, name in zip(s.shape, n)), s.dtype), shapes, names,
         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    S = mcfg.seq_len
-    if head:
-        inputs = jax.ShapeDtypeStruct((rows, S + 1), jnp.int32)
+    S, D = mcfg.seq_len, mcfg.mtp_depth
+    if head:  # token windows, with multi-token prediction's D more (`jaxpar.model.mtp.pad`)
+        inputs = jax.ShapeDtypeStruct((rows, S + 1 + D), jnp.int32)
     else:
         inputs = jax.ShapeDtypeStruct((rows, S // t if sp and t > 1 else S, mcfg.d_model), jnp.dtype(mcfg.dtype))
     found: list = []
 
     def loss(params, x):
         mdl = model.bind(mcfg, params)
-        if head:
-            logits = mdl(x[:, :-1], remat=remat)
-            return cross_entropy_sum(logits, x[:, 1:], mcfg.vocab_size)
+        if head:  # the step's objective (`mtp.objective`: the main loss, and MTP's depths)
+            split = lambda rows, shift: mtp.cut(rows, shift, D)  # noqa: E731
+            tokens, targets = split(x, 0)
+            y = mdl.backbone(mdl.embed_tokens(tokens), remat=remat)
+            return mtp.objective(mdl, y, targets, mtp.depth_rows(split, x, D, None),
+                                 lambda lg, tg: cross_entropy_sum(lg, tg, mcfg.vocab_size), 1, REMAT_POLICIES[remat])
         if sp and t > 1:
             x = jax.lax.pcast(x, "model", to="varying")
         return mdl.backbone(x, remat=remat)
