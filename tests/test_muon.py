@@ -160,24 +160,6 @@ def test_the_update_against_a_direct_computation():
 # ------------------------------------------------------------------ parity with one device
 
 
-@pytest.fixture(autouse=True)
-def step_mesh_into_the_optimizer(monkeypatch):
-    """The train step's mesh and optimizer-state layout handed to the optimizer, as
-    `jaxpar.train.step.build` would with `make_optimizer(cfg.train, names, mesh, layout.moments)`
-    (docs/muon.md: the one line of step.py this needs), read where `build` calls `make_layout`,
-    just before."""
-    seen = {}
-
-    def make_layout(cfg, mesh, *args):
-        seen["mesh"], seen["layout"] = mesh, layout(cfg, mesh, *args)
-        return seen["layout"]
-
-    layout = step_lib.make_layout
-    monkeypatch.setattr(step_lib, "make_layout", make_layout)
-    monkeypatch.setattr(step_lib, "make_optimizer", lambda tr, names: optim_lib.make_optimizer(
-        tr, names, seen["mesh"], seen["layout"].moments))
-
-
 def tiny(mesh=(1, 1, 1), model_keys=None, **parallel):
     return from_dict({
         "model": {"arch": "llama", "n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,

@@ -146,7 +146,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
                           "documents) or xla.")
     names, shapes = model.param_names(cfg.model), model.param_shapes(cfg.model)
     layout = make_layout(cfg, mesh, names, shapes)
-    optimizer = make_optimizer(cfg.train, names)
+    optimizer = make_optimizer(cfg.train, names, mesh, layout.moments)  # (Muon deals its matrices over the mesh)
     schedule = lr_schedule(cfg.train)
     shard = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,  # noqa: E731
                                        is_leaf=lambda x: isinstance(x, P))
