@@ -321,3 +321,14 @@ def record_reads(monkeypatch) -> list[tuple[str, tuple]]:
 
     monkeypatch.setattr(safetensors, "safe_open", Handle)
     return reads
+
+
+def folder_tensors(folder) -> dict[str, np.ndarray]:
+    """Every tensor of a Hugging Face folder's safetensors files, by name."""
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out |= load_file(os.path.join(folder, f))
+    return out

@@ -32,7 +32,8 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):
     pytest.skip("transformers without DeepSeek-V3 (added in 4.51)", allow_module_level=True)
 
-from helpers import copy_folder as _copy, record_reads, write_hf_config as _write_config  # noqa: E402
+from helpers import (copy_folder as _copy, folder_tensors as _tensors, record_reads,  # noqa: E402
+                     write_hf_config as _write_config)
 from jaxpar import hf, model  # noqa: E402
 from jaxpar.config import Config, ModelConfig  # noqa: E402
 from jaxpar.generate import generate  # noqa: E402
@@ -75,16 +76,6 @@ def _hf_model(kind: str, **changes):
 
 def _torch_model(folder: str):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def _tensors(folder) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out |= load_file(os.path.join(folder, f))
-    return out
 
 
 def _one_device(cfg) -> dict:
@@ -581,8 +572,7 @@ def test_multi_token_prediction_module_is_deepseek_v3s(folders, loaded, batch, t
         E = m.config.n_routed_experts
         with torch.no_grad():
             layer.mlp.experts.gate_up_proj.copy_(torch.stack([torch.cat(
-                [t[f"model.layers.3.mlp.experts.{e}.gate_proj.weight"], t[f"model.layers.3.mlp.experts.{e}.up_proj.weight"]])
-                for e in range(E)]))
+                [t[f"model.layers.3.mlp.experts.{e}.{w}_proj.weight"] for w in ("gate", "up")]) for e in range(E)]))
             layer.mlp.experts.down_proj.copy_(torch.stack([t[f"model.layers.3.mlp.experts.{e}.down_proj.weight"]
                                                            for e in range(E)]))
             layer.mlp.gate.e_score_correction_bias.copy_(t["model.layers.3.mlp.gate.e_score_correction_bias"])

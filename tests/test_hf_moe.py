@@ -24,7 +24,8 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3MoeForCausalLM"):
     pytest.skip("transformers without Qwen3-MoE (added in 4.51)", allow_module_level=True)
 
-from helpers import copy_folder as _copy, record_reads, write_hf_config as _write_config  # noqa: E402
+from helpers import (copy_folder as _copy, folder_tensors as _tensors, record_reads,  # noqa: E402
+                     write_hf_config as _write_config)
 from jaxpar import hf, model  # noqa: E402
 from jaxpar.config import Config  # noqa: E402
 
@@ -51,16 +52,6 @@ def _hf_model(arch: str):
 
 def _torch_model(folder: str):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def _tensors(folder) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out |= load_file(os.path.join(folder, f))
-    return out
 
 
 def _fuse(src: str, dst: str) -> str:
