@@ -282,9 +282,31 @@ def validate(cfg: Config) -> None:
     # (`jaxpar.parallel.checks.check_batch`), once the data size is resolved against the devices:
     # a wrong mesh is reported first.
 
+    if tr.qk_clip is not None:
+        _validate_qk_clip(cfg)
+
     require(par.virtual_stages == 1 or par.schedule == "interleaved_1f1b",
             f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = interleaved_1f1b "
             f"(got {par.schedule}); set the schedule or parallel.virtual_stages=1.")
+
+
+def _validate_qk_clip(cfg: Config) -> None:
+    """train.qk_clip (docs/qk-clip.md): a positive tau, and what the step records its maxima in."""
+    m, par, tau = cfg.model, cfg.parallel, cfg.train.qk_clip
+    require(tau > 0, f"train.qk_clip = {tau} must be positive (the largest attention logit a head may keep); "
+                     "set it to e.g. 100 (Kimi K2), or null to turn QK-clip off.")
+    require(cfg.mesh.stage == 1, f"train.qk_clip = {tau} cannot be combined with mesh.stage = {cfg.mesh.stage} "
+                                 "(the pipeline executor does not return the attention logits' maxima); set "
+                                 "mesh.stage=1, or train.qk_clip=null.")
+    require(par.data_mode != "naive", f"train.qk_clip = {tau} cannot be combined with parallel.data_mode = naive "
+                                      "(its baseline step does not return the attention logits' maxima); set "
+                                      "parallel.data_mode=ddp, or train.qk_clip=null.")
+    require(par.context == 1, f"train.qk_clip = {tau} cannot be combined with parallel.context = {par.context} "
+                              "(the context-parallel attention does not record the logits' maxima); set "
+                              "parallel.context=1, or train.qk_clip=null.")
+    require(not m.qk_norm or m.mla, f"train.qk_clip = {tau} cannot act with model.qk_norm = true (the query and "
+                                    "key norms undo any scaling of their projections); set model.qk_norm=false, "
+                                    "or train.qk_clip=null.")
 
 
 def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int]:

@@ -361,6 +361,12 @@ class TrainConfig:
     float32 gradients, and stores the parameters the step uses as the master's 16-bit cast
     (Megatron's mixed precision: 2 + 4 + 12/d bytes per parameter under ZeRO-1); `none`: the
     optimizer updates the stored parameters, its moments in their dtype."""
+    qk_clip: float | None = None
+    """QK-clip (MuonClip, Kimi K2): after every update, each attention head whose largest
+    pre-softmax logit over the step's batch exceeded this tau has its query and key projections
+    rescaled so that that logit becomes tau (MLA: the no-RoPE parts by sqrt(tau / max) each, the
+    rotary query by tau / max); logs max_logit and max_logit_<layer>. null: off. With either
+    optimizer; stage 1, data_mode ddp, no context parallelism (docs/qk-clip.md)."""
     seed: int = 0
     """Seed of parameter initialization and of the data order."""
     run_dir: str = "runs/default"

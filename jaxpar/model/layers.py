@@ -22,7 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.model import tiled_attention
+from jaxpar.model import qk_clip, tiled_attention
 from jaxpar.model.lse_attention import lse_attention, working_set_attention
 from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, exit_tp, local_kv_heads, tensor_parallel, varying_axes, vary
 
@@ -441,6 +441,8 @@ def dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cfg: ModelConfig) -> 
     if layout is not None and layout.attend is not None:
         return layout.attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cfg)
     segments = None if layout is None else layout.segments
+    # (train.qk_clip: each head's largest logit, recorded inside a block body's `qk_clip.layer()`.)
+    qk_clip.record(q_BxTxNxH, k_BxTxKxH, segments)
     if cfg.attention in ("xla", "cudnn"):
         mask = None
         if segments is not None:  # (model.attention: cudnn with document masking is refused by the config)

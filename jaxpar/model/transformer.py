@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.blocks import block_class, stacked
+from jaxpar.model import qk_clip
 from jaxpar.model.mtp import MTP
 from jaxpar.model.layers import Sequence, active_split, linear, norm, param, sequence, sequence_layout
 from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
@@ -222,6 +223,11 @@ def run_blocks(cfg: ModelConfig, blocks: nnx.Module, x_BxTxD: jax.Array, remat: 
     params, bodies = block_bodies(cfg, blocks, remat, active)
     layer_taps = {kind: None if taps is None else {k: v for k, v in taps.items() if k.startswith(stack_prefix(kind))}
                   for kind in params}
+    if qk_clip.active():  # (train.qk_clip: each body returns its layer's per-head maximum logit too)
+        x_BxTxD, outs = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: bodies[kind](x, (p, tap, i)),
+                                    layer_taps)
+        qk_clip.put(qk_clip.stacked_maxima(cfg, outs))
+        return x_BxTxD
     x_BxTxD, _ = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: (bodies[kind](x, (p, tap, i)), None),
                              layer_taps)
     return x_BxTxD
@@ -241,6 +247,7 @@ def block_bodies(cfg: ModelConfig, blocks: nnx.Module, remat: str, active: dict[
     split = active_split()
     names = _block_names(cfg)
     bodies, params = {}, {}
+    recording = qk_clip.active()
     for kind in block_kinds(cfg):
         graphdef, state = nnx.split(stack(blocks, kind))
         template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
@@ -264,6 +271,10 @@ def block_bodies(cfg: ModelConfig, blocks: nnx.Module, remat: str, active: dict[
                     raise AssertionError("split backward: stash_inputs needs every layer slot active")
                 split.inputs = {}
                 return layer(x), dict(split.inputs)
+            if active is None and recording:  # (train.qk_clip) y and the layer's per-head maximum logit
+                with qk_clip.layer() as maxima:
+                    y = layer(x)
+                return y, maxima[0]
             if active is None:
                 return layer(x)
             return jax.lax.cond(active[kind][i], layer, lambda x: x, x)

@@ -268,7 +268,7 @@ def _seed(x: jax.Array, dim: int, data: int, dtype=None) -> jax.Array:
     return vary(jnp.zeros(shape, dtype or x.dtype), (*varying_axes(x), DATA))
 
 
-def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callable) -> Callable:
+def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callable, maxima: bool = False) -> Callable:
     """`(params, batch) -> (loss, grads)` on the global batch, with params and grads laid out by
     `layout`. `loss_fn(params, batch_rows, n_tokens)` is the summed loss of some rows divided by
     `n_tokens`, so that losses and gradients of disjoint rows add up to those of the whole batch.
@@ -278,6 +278,11 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     A manual axis of size 1 is left out: beside an automatic axis it trips XLA's SPMD
     partitioner on jax 0.10.2 ("Cross-partition allreduce must be in (partial) manual
     partitioning mode"), and there is nothing to reduce over it anyway.
+
+    With `maxima` (train.qk_clip), `loss_fn` returns (loss, maxima [layers, N]: each layer's
+    per-head largest attention logit, `jaxpar.model.qk_clip`) and so does the loss here: the
+    largest over microbatches (`microbatches.accumulate`) and data ranks (`pmax`), the heads this
+    model rank holds assembled into all N by the out_specs (a tiled concatenation over `model`).
     """
     zero, m, d = layout.zero, cfg.parallel.microbatches, mesh.shape[DATA]
     n_tokens = microbatches.loss_tokens(cfg)
@@ -300,10 +305,10 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
         # without, DESIGN.md §9.)
         with activation_rules(mesh, rules, param_fn=param_fn, tp=tp, compute_dtype=cfg.model.dtype,
                               serial_gathers=True):
-            return jax.value_and_grad(loss_of)(diff)
+            return jax.value_and_grad(loss_of, has_aux=maxima)(diff)
 
     def accumulate(diff, params, batch):
-        return microbatches.accumulate(lambda rows: grads_of(diff, params, rows), diff, batch, m)
+        return microbatches.accumulate(lambda rows: grads_of(diff, params, rows), diff, batch, m, maxima)
 
     def local(params, batch):
         if at_use:  # reduced where used: ZeRO-1/2 through seeds, ZeRO-0 and ZeRO-3 through param_fn
@@ -321,13 +326,18 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
         return _finish(loss, g)
 
     def _finish(loss, g):
+        if maxima:
+            loss, top = loss
+            return ((jax.lax.psum(loss, DATA), jax.lax.pmax(top, DATA)) if dp else (loss, top)), g
         return (jax.lax.psum(loss, DATA) if dp else loss), g
 
     if not manual:
         return lambda params, batch: accumulate(params, params, batch)
     batch_spec = P(DATA) if dp else P()
+    # (The maxima [layers, N]: each model rank's own heads, N / t of them, in rank order.)
+    loss_spec = (P(), P(None, MODEL) if MODEL in manual else P()) if maxima else P()
     return jax.shard_map(local, mesh=mesh, in_specs=(layout.manual_specs("params", manual), batch_spec),
-                         out_specs=(P(), layout.manual_specs("grads", manual)), axis_names=manual)
+                         out_specs=(loss_spec, layout.manual_specs("grads", manual)), axis_names=manual)
 
 
 def _gather(x: jax.Array, dim: int | None) -> jax.Array:

@@ -46,11 +46,13 @@ def add_f32(acc, *grads):
     return acc
 
 
-def accumulate(value_and_grad: Callable, like, batch: jax.Array, m: int):
+def accumulate(value_and_grad: Callable, like, batch: jax.Array, m: int, maxima: bool = False):
     """(summed loss, gradients) of `batch` in `m` microbatches: `value_and_grad(rows)` of each inside
     one scan (one microbatch's activations live at a time), its gradients added into a float32
     accumulator typed like `like` (a gradient has its primal's shape and manual-axis variance),
-    cast back to `like`'s dtypes at the end. With m = 1, `value_and_grad(batch)` itself."""
+    cast back to `like`'s dtypes at the end. With m = 1, `value_and_grad(batch)` itself. With
+    `maxima` (train.qk_clip), `value_and_grad` returns ((loss, maxima), g) and so does this, the
+    maxima (each layer's per-head largest attention logit) the largest over microbatches."""
     if m == 1:
         return value_and_grad(batch)
 
@@ -59,7 +61,10 @@ def accumulate(value_and_grad: Callable, like, batch: jax.Array, m: int):
         return add_f32(acc, g), loss
 
     acc, losses = jax.lax.scan(body, f32_zeros(like), split(batch, m))
-    return jnp.sum(losses), jax.tree.map(lambda a, x: a.astype(x.dtype), acc, like)
+    g = jax.tree.map(lambda a, x: a.astype(x.dtype), acc, like)
+    if maxima:
+        return (jnp.sum(losses[0]), jnp.max(losses[1], axis=0)), g
+    return jnp.sum(losses), g
 
 
 def guard_non_finite(on_nan: str, loss: jax.Array, grad_norm: jax.Array, step: jax.Array,

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config, ConfigError, validate
 from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_mesh
-from jaxpar.model import moe, mtp
+from jaxpar.model import moe, mtp, qk_clip
 from jaxpar.model.layers import document_segments, packed, sequence_layout
 from jaxpar.model.loss import cross_entropy, cross_entropy_sum  # noqa: F401 (the loss rule; cross_entropy re-exported)
 from jaxpar.model.transformer import REMAT_POLICIES, token_ids
@@ -48,7 +48,7 @@ class TrainState(NamedTuple):
 
 
 def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: int | None = None,
-            eos: int | None = None, data: int = 1) -> jax.Array:
+            eos: int | None = None, data: int = 1, max_logits: bool = False) -> jax.Array:
     """Loss of `params` on token windows [B, T + 1 + D] (inputs and shifted targets, and D =
     `model.mtp_depth` tokens more for multi-token prediction: `jaxpar.model.mtp.pad`), summed and
     divided by `n_tokens` (default: this batch's targets). A data shard passes the global count, so
@@ -56,7 +56,9 @@ def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: 
     (`data.document_mask`: `jaxpar.train.data.document_eos`), each document of a window, ended
     by `eos`, is attended and positioned on its own. With `parallel.context` c > 1, `batch_BxT1` is
     this rank's chunk windows (`jaxpar.parallel.context.windows`, inside the step's shard_map over
-    `data` of size `data`). The objective adds the MTP depths' losses (`jaxpar.model.mtp.objective`)."""
+    `data` of size `data`). The objective adds the MTP depths' losses (`jaxpar.model.mtp.objective`).
+    With `max_logits` (train.qk_clip), (the loss, each layer's per-head largest attention logit
+    [layers, N]: `jaxpar.model.qk_clip`)."""
     split = context.row_split(cfg)
     inputs, targets = split(batch_BxT1, 0)
     if cfg.parallel.context > 1:
@@ -64,11 +66,12 @@ def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: 
     else:
         layout = None if eos is None else packed(document_segments(token_ids(inputs), eos))
     m, remat = model.bind(cfg.model, params), cfg.parallel.remat
-    with sequence_layout(layout):
+    with sequence_layout(layout), qk_clip.recording(max_logits) as maxima:
         y = m.backbone(m.embed_tokens(inputs), remat=remat)
-        return mtp.objective(m, y, targets, mtp.depth_rows(split, batch_BxT1, cfg.model.mtp_depth, eos),
+        loss = mtp.objective(m, y, targets, mtp.depth_rows(split, batch_BxT1, cfg.model.mtp_depth, eos),
                              lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size),
                              targets.size if n_tokens is None else n_tokens, REMAT_POLICIES[remat])
+    return (loss, maxima[0]) if max_logits else loss
 
 
 def main_loss(cfg: Config, loss: jax.Array, grads: model.Params) -> jax.Array:
@@ -176,6 +179,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     opt_stored = _opt_state_shardings(opt_shapes, moment_shardings, replicated, "pinned_host") if offload else opt_on_device
     state_shardings = TrainState(replicated, param_shardings, opt_stored, replicated)
     master = cfg.train.master_weights != "none"
+    clipping = cfg.train.qk_clip is not None  # (stage 1, data_mode ddp, no context parallelism: the config rules)
     # Where 16-bit parameters become float32 for differentiation (README, "Master weights"). Where
     # gradients are all-reduced per layer as their parameter is used (ZeRO-0/1, one microbatch,
     # data > 1, no pipeline: `jaxpar.parallel.gradients`), the upcast is there too, one layer at a
@@ -205,13 +209,21 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
             cfg.model.mtp_depth)
     else:
         loss_and_grads = context.wrap_batch(
-            make_loss_and_grads(cfg, mesh, layout, lambda p, rows, n: loss_fn(cfg, p, rows, n, eos, d)), c, d,
-            cfg.model.mtp_depth)
+            make_loss_and_grads(cfg, mesh, layout, lambda p, rows, n: loss_fn(cfg, p, rows, n, eos, d, clipping),
+                                clipping), c, d, cfg.model.mtp_depth)
 
     def grads_at(params, batch):
+        loss, g, _ = grads_and_maxima(params, batch)
+        return loss, g
+
+    def grads_and_maxima(params, batch):
+        """(loss, gradients, each layer's per-head largest logit [layers, N] or None)."""
+        maxima = None
         # (MoE: each sequence's router losses weigh 1 / sequences of the step, `jaxpar.model.moe`.)
         with moe.sequences_per_step(cfg.train.global_batch):
             loss, g = loss_and_grads(for_grads(params), batch)
+        if clipping:  # (train.qk_clip: the loss comes with the maxima)
+            loss, maxima = loss
         if masked:
             # The executors divide the summed loss by every target of the batch; with a loss mask
             # the mean is over the learned ones: one scale of the loss and every gradient (not of
@@ -220,29 +232,32 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
             # (The MTP report, losses too, is scaled with them.)
             loss, g = loss * scale, jax.tree_util.tree_map_with_path(
                 lambda path, x: x if moe.is_stats(path) else (x * scale).astype(x.dtype), g)
-        return loss, grads_for_optimizer(g)
+        return loss, grads_for_optimizer(g), maxima
 
-    def update(params_and_opt_state, g, grad_norm, stats):
+    def update(params_and_opt_state, g, grad_norm, stats, maxima):
         params, opt_state = params_and_opt_state
         if offload:  # the new state goes back to host memory below (both branches of the cond agree)
             opt_state = jax.device_put(opt_state, opt_on_device)
-        params, opt_state = _update(params, opt_state, g, grad_norm, stats)
+        params, opt_state = _update(params, opt_state, g, grad_norm, stats, maxima)
         return params, (jax.device_put(opt_state, opt_stored) if offload else opt_state)
 
-    def _update(params, opt_state, g, grad_norm, stats):
+    def _update(params, opt_state, g, grad_norm, stats, maxima):
         updates, opt_state = optimizer.update(g, opt_state, params, grad_norm=grad_norm)
         # ZeRO-1/2: each device computes the update of its optimizer-state shard only; the new
         # parameters are then all-gathered to their (replicated) storage layout by out_shardings.
         updates = jax.lax.with_sharding_constraint(updates, moment_shardings)
+        # train.qk_clip (MuonClip): the heads whose largest logit exceeded tau rescaled, on the
+        # updated parameters (the master, then cast, with master weights).
+        qk = (lambda p: qk_clip.clip(cfg.model, p, maxima, cfg.train.qk_clip)) if clipping else (lambda p: p)
         if master:  # the updated master (a moment-layout shard), cast to the stored dtype
             # (MoE sigmoid_bias routers: the selection bias moves on the master, outside Adam.)
-            opt_state = opt_state._replace(master=moe.update_bias(cfg.model, opt_state.master, stats))
+            opt_state = opt_state._replace(master=qk(moe.update_bias(cfg.model, opt_state.master, stats)))
             # Cast on the shard, so that out_shardings all-gathers 16-bit parameters, not the master.
             return jax.lax.with_sharding_constraint(stored_params(opt_state, params), moment_shardings), opt_state
-        return moe.update_bias(cfg.model, optax.apply_updates(params, updates), stats), opt_state
+        return qk(moe.update_bias(cfg.model, optax.apply_updates(params, updates), stats)), opt_state
 
     def step(state: TrainState, batch: jax.Array):
-        loss, g = grads_at(state.params, batch)
+        loss, g, maxima = grads_and_maxima(state.params, batch)
         # MoE: what the routers reported leaves the gradients here (zeros in its place); MTP: the
         # main and each depth's loss likewise.
         g, stats = moe.split_stats(cfg.model, g)
@@ -253,12 +268,14 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         # alive beside the new ones, so XLA copies every donated moment (+16 bytes per parameter
         # of memory traffic a step); the branch updates them in place, as a plain step does.
         params, opt_state = jax.lax.cond(ok, update, lambda s, *_: s, (state.params, state.opt_state), g, grad_norm,
-                                         stats)
+                                         stats, maxima)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "skipped_steps": skipped}
         if stats is not None:
             metrics.update(moe.metrics(cfg.model, stats))
         if report is not None:  # `loss` is the main loss; the objective adds mtp_loss_weight x mtp_loss
             metrics.update(mtp.metrics(cfg.model, report))
+        if clipping:  # max_logit, and max_logit_<l> per layer
+            metrics.update(qk_clip.metrics(maxima))
         return TrainState(next_step, params, opt_state, skipped), metrics
 
     return _program(cfg, mesh, layout, optimizer, batch_sharding, state_shardings, step, grads_at, grad_shardings)

@@ -1,0 +1,170 @@
+"""QK-clip (MuonClip, Kimi K2, arXiv 2507.20534 §2.1; `train.qk_clip: tau`): the largest
+pre-softmax attention logit of every head, recorded in the forward pass, and the rule that
+rescales the query and key projections of the heads whose largest logit exceeded tau.
+
+Recording (at trace time, through two context variables; outside `recording()` nothing is
+computed): `dot_product_attention` calls `record(q, k, segments)` with the queries and keys as the
+softmax takes them; inside a block body (`transformer.block_bodies`, under `layer()`) that appends
+the layer's per-head maximum [N] (float32, no gradient), the body returns it as a scan output, and
+`run_blocks` hands the stacked [layers, N] (layer order) to the step's `recording()`, which the
+loss function returns as its auxiliary output. The maximum is computed from q and k apart from
+the attention kernel (one more q kᵀ product in float32 per layer, forward only, a batch row at a
+time: 2·T²·N·H FLOPs per row and N·T² floats of transient memory): every kernel (XLA, cuDNN, the
+tiled and query-blocked ones) stays as it is. The executors reduce it with a max over
+microbatches (`jaxpar.parallel.microbatches.accumulate`) and data ranks (`pmax`) and assemble the
+heads split over `model` (`jaxpar.parallel.gradients`).
+
+The rule (`clip`) is docs/qk-clip.md's: γ_h = tau / S_h for every head with S_h > tau (else 1);
+grouped-query attention scales the shared key head by sqrt(γ_kv), γ_kv the smallest γ of its
+group, and each query head by γ_h / sqrt(γ_kv), so that every head's q·k is scaled by exactly γ_h
+(with one query head per key head: sqrt(γ_h) each, Kimi K2's rule); multi-head latent attention
+scales each head's no-RoPE query and key columns by sqrt(γ_h) and its rotary query columns by
+γ_h, leaving the shared rotary key alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.config import ModelConfig
+
+_STEP: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxpar_qk_clip_step", default=None)
+_LAYER: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxpar_qk_clip_layer", default=None)
+
+
+@contextlib.contextmanager
+def recording(on: bool = True):
+    """Trace the model recording each layer's per-head maximum logit (when `on`): the list it
+    yields receives the [layers, N] maxima of `run_blocks` (one entry per backbone)."""
+    token = _STEP.set([] if on else None)
+    try:
+        yield _STEP.get()
+    finally:
+        _STEP.reset(token)
+
+
+def active() -> bool:
+    """Is the model being traced under `recording()`?"""
+    return _STEP.get() is not None
+
+
+@contextlib.contextmanager
+def layer():
+    """One layer's recording (inside its block body): the list receives its attention's maxima."""
+    token = _LAYER.set([])
+    try:
+        yield _LAYER.get()
+    finally:
+        _LAYER.reset(token)
+
+
+def put(maxima_LxN: jax.Array) -> None:
+    """`run_blocks`' stacked maxima, into the step's recording."""
+    _STEP.get().append(maxima_LxN)
+
+
+def record(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, segments_BxT: jax.Array | None) -> None:
+    """Inside `layer()`: append the per-head maximum logit [N] of causal attention of these
+    queries and keys (as the softmax takes them), within the documents `segments_BxT`."""
+    rec = _LAYER.get()
+    if rec is not None:
+        rec.append(max_logits(q_BxTxNxH, k_BxSxKxH, segments_BxT))
+
+
+def max_logits(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, segments_BxT: jax.Array | None = None) -> jax.Array:
+    """[N] float32: over every batch row and every (query, key) pair the causal (and document)
+    mask keeps, the largest q·k / sqrt(H) of each query head (GQA: head n reads key head n // G,
+    G = N / K, as every kernel groups them). No gradient; one batch row at a time (`lax.map`)."""
+    q = jax.lax.stop_gradient(q_BxTxNxH).astype(jnp.float32)
+    k = jax.lax.stop_gradient(k_BxSxKxH).astype(jnp.float32)
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    causal = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + (S - T)
+    seg = jnp.zeros((B, T), jnp.int32) if segments_BxT is None else segments_BxT
+
+    def row(args):
+        q_TxNxH, k_SxKxH, seg_T = args
+        s = jnp.einsum("tkgh,skh->kgts", q_TxNxH.reshape(T, K, N // K, H), k_SxKxH,
+                       precision=jax.lax.Precision.HIGHEST) / math.sqrt(H)
+        keep = causal & (seg_T[:, None] == seg_T[None, :]) if segments_BxT is not None else causal
+        return jnp.max(jnp.where(keep, s, -jnp.inf), axis=(2, 3)).reshape(N)
+
+    return jnp.max(jax.lax.map(row, (q, k, seg)), axis=0)
+
+
+def factors(smax: jax.Array, tau: float) -> jax.Array:
+    """γ per head: tau / S where S > tau, else 1 (float32, shaped like `smax`)."""
+    smax = smax.astype(jnp.float32)
+    return jnp.where(smax > tau, tau / jnp.where(smax > tau, smax, 1.0), 1.0)
+
+
+def _scale(x: jax.Array, f: jax.Array) -> jax.Array:
+    return (x.astype(jnp.float32) * f).astype(x.dtype)
+
+
+def clip_attention(cfg: ModelConfig, attn: dict[str, Any], gamma_LxN: jax.Array) -> dict[str, Any]:
+    """One stack's attention parameters (leading `layers` dim) with heads rescaled by γ [L, N]."""
+    attn = dict(attn)
+    if cfg.mla:
+        dn = cfg.qk_nope_head_dim
+        root = jnp.sqrt(gamma_LxN)
+        wq = "wq" if "wq" in attn else "wq_b"  # [L, ., N, dn + dr]: no-RoPE columns sqrt(γ), rotary γ
+        width = attn[wq].shape[-1]
+        q_f = jnp.where(jnp.arange(width) < dn, root[..., None], gamma_LxN[..., None])  # [L, N, dn + dr]
+        attn[wq] = _scale(attn[wq], q_f[:, None])
+        width = attn["wkv_b"].shape[-1]  # [L, r_kv, N, dn + dv]: the key's no-RoPE columns sqrt(γ), values 1
+        kv_f = jnp.where(jnp.arange(width) < dn, root[..., None], 1.0)
+        attn["wkv_b"] = _scale(attn["wkv_b"], kv_f[:, None])
+        return attn
+    L, N = gamma_LxN.shape
+    K = cfg.kv_heads
+    gamma_kv = jnp.min(gamma_LxN.reshape(L, K, N // K), axis=-1)  # [L, K]
+    q_f = gamma_LxN / jnp.repeat(jnp.sqrt(gamma_kv), N // K, axis=1)  # [L, N]
+    k_f = jnp.sqrt(gamma_kv)
+    attn["wq"] = _scale(attn["wq"], q_f[:, None, :, None])  # [L, D, N, H]
+    attn["wk"] = _scale(attn["wk"], k_f[:, None, :, None])  # [L, D, K, H]
+    if "bq" in attn:  # the projection's bias scales with it (q = x wq + bq)
+        attn["bq"] = _scale(attn["bq"], q_f[..., None])
+        attn["bk"] = _scale(attn["bk"], k_f[..., None])
+    return attn
+
+
+def clip(cfg: ModelConfig, params: dict[str, Any], smax_LxN: jax.Array, tau: float) -> dict[str, Any]:
+    """`params` (the model's tree; a float32 master alike) with every head whose largest logit
+    `smax_LxN` [layers, N] (model layer order) exceeded `tau` rescaled (module docstring)."""
+    from jaxpar.model.transformer import block_kinds, layer_order  # (transformer imports this module)
+
+    gamma = factors(smax_LxN, tau)
+    blocks = params["blocks"]
+    order = layer_order(cfg)
+    if not cfg.mixed:
+        new_blocks = {**blocks, "attn": clip_attention(cfg, blocks["attn"], gamma)}
+    else:
+        new_blocks = dict(blocks)
+        for kind in block_kinds(cfg):
+            new_blocks[kind] = {**blocks[kind], "attn": clip_attention(cfg, blocks[kind]["attn"], gamma[order[kind]])}
+    return {**params, "blocks": new_blocks}
+
+
+def stacked_maxima(cfg: ModelConfig, outs: dict[str, jax.Array]) -> jax.Array:
+    """[layers, N] in model layer order from `scan_layers`' per-stack outs (kind -> [n, N])."""
+    from jaxpar.model.transformer import block_kinds, layer_order
+
+    if not cfg.mixed:
+        return outs[""]
+    kinds = block_kinds(cfg)
+    order = np.concatenate([layer_order(cfg)[kind] for kind in kinds])
+    return jnp.concatenate([outs[kind] for kind in kinds])[np.argsort(order)]
+
+
+def metrics(smax_LxN: jax.Array) -> dict[str, jax.Array]:
+    """The logged maxima: `max_logit` over every head and layer, `max_logit_<l>` per layer."""
+    per_layer = jnp.max(smax_LxN, axis=1)
+    return {"max_logit": jnp.max(per_layer), **{f"max_logit_{i}": per_layer[i] for i in range(per_layer.shape[0])}}

@@ -1,0 +1,182 @@
+"""QK-clip (`train.qk_clip`, MuonClip: `jaxpar.model.qk_clip`, docs/qk-clip.md): the step's
+per-head maximum logits and the clipped parameters against a direct float64 computation from the
+parameters and the batch, for grouped-query attention and multi-head latent attention (the clip of
+the initial parameters, at step 0 where the warmup's lr is 0, and the clip of an updated step,
+against the same step's program without qk_clip); that the clipped heads' logits come down to tau
+(fails if the clip is skipped); parity with one device (data 8 with microbatches here, more in the
+slow tier); the config refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import COMPILER_OPTIONS, max_abs_diff
+from jaxpar import model
+from jaxpar.config import ConfigError, from_dict
+from jaxpar.mesh import make_mesh
+from jaxpar.train.data import batch_at, make_source
+from jaxpar.train.step import build
+
+MLA = {"n_kv_heads": None, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}
+
+# The maxima: the step's float32 q·kᵀ (HIGHEST precision) of float32 projections against float64
+# products of the same float32 layer inputs and parameters: sums of 8..12 terms of size ~1 after
+# float32 projections of 32 terms, observed <= 3e-7 relative; 1e-5 is ~80 float32 ulps. A head
+# unclipped or clipped twice, or a maximum taken over the wrong positions, moves them by > 1e-2.
+MAX_RTOL = 1e-5
+# The clipped parameters: float32 products w x f(γ) against float64, f computed from float32
+# maxima (relative 1e-7 each): observed <= 1e-7 relative; PARAM_RTOL is 100x that. A head left
+# unclipped differs by 1 - γ >= 1e-2 (tau is chosen between the heads' maxima, below).
+PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-8
+
+
+def tiny(mesh=(1, 1, 1), model_keys=None, tau=None, train=None, **parallel):
+    # init_std 0.3: logits of size ~1 (at 0.02 every logit is ~0.05); warmup_steps 1: step 0 runs at lr 0.
+    return from_dict({
+        "model": {"arch": "llama", "n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,
+                  "vocab_size": 64, "seq_len": 16, "init_std": 0.3, **(model_keys or {})},
+        "mesh": dict(zip(("data", "stage", "model"), mesh)),
+        "parallel": {"zero_min_elements": 0, **parallel},
+        "train": {"steps": 3, "global_batch": 8, "lr": 1e-2, "warmup_steps": 1, "log_every": 1, "qk_clip": tau,
+                  **(train or {})}})
+
+
+# ------------------------------------------------------------------ the direct computation (float64)
+
+
+def _rms(x, scale, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _rope(x, theta):
+    """RoPE on the last dim of [B, T, ..., H] (the two halves rotated; positions 0..T-1)."""
+    H, T = x.shape[-1], x.shape[1]
+    inv = 1.0 / theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
+    ang = np.arange(T, dtype=np.float64)[:, None] * inv
+    shape = (1, T) + (1,) * (x.ndim - 3) + (H // 2,)
+    cos, sin = np.cos(ang).reshape(shape), np.sin(ang).reshape(shape)
+    x1, x2 = x[..., :H // 2], x[..., H // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def layer_inputs(cfg, params, inputs) -> list[np.ndarray]:
+    """Each layer's input x_l [B, T, D] (float64 of the model's float32 forward): the backbone of
+    the first l layers."""
+    out = []
+    for n in range(cfg.n_layers):
+        mc = dataclasses.replace(cfg, n_layers=max(n, 1))
+        p = {**params, "blocks": jax.tree.map(lambda a: a[:max(n, 1)], params["blocks"])}
+        m = model.bind(mc, p)
+        x = m.embed_tokens(jnp.asarray(inputs))
+        out.append(np.asarray(x if n == 0 else m.backbone(x), np.float64))
+    return out
+
+
+def direct_maxima(cfg, params, inputs) -> np.ndarray:
+    """[layers, N]: every head's largest causal logit on `inputs`, in float64."""
+    p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), jax.device_get(params))
+    out = []
+    for n, x in enumerate(layer_inputs(cfg, params, inputs)):
+        a = jax.tree.map(lambda v: v[n], p64["blocks"]["attn"])
+        h = _rms(x, p64["blocks"]["attn_norm"]["scale"][n], cfg.norm_eps)
+        if cfg.mla:
+            dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+            q = np.einsum("btr,rnh->btnh", _rms(h @ a["wq_a"], a["q_norm"], cfg.norm_eps), a["wq_b"])
+            kv = h @ a["wkv_a"]
+            k_c = np.einsum("btr,rnh->btnh", _rms(kv[..., :r], a["kv_norm"], cfg.norm_eps), a["wkv_b"][..., :dn])
+            k_r = _rope(kv[..., r:], cfg.rope_theta)
+            s = (np.einsum("btnh,bsnh->bnts", q[..., :dn], k_c)
+                 + np.einsum("btnh,bsh->bnts", _rope(q[..., dn:], cfg.rope_theta), k_r)) / np.sqrt(q.shape[-1])
+        else:
+            q = _rope(np.einsum("btd,dnh->btnh", h, a["wq"]), cfg.rope_theta)
+            k = _rope(np.einsum("btd,dkh->btkh", h, a["wk"]), cfg.rope_theta)
+            k = np.repeat(k, cfg.n_heads // cfg.kv_heads, axis=2)  # head n reads key head n // G
+            s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+        T = s.shape[-1]
+        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+        out.append(s.max(axis=(0, 2, 3)))
+    return np.stack(out)
+
+
+def clip_by_hand(cfg, params, smax, tau):
+    """The rule of docs/qk-clip.md on host arrays, in float64."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), jax.device_get(params))
+    a = p["blocks"]["attn"]
+    g = np.where(smax > tau, tau / smax, 1.0)  # [L, N]
+    if cfg.mla:
+        dn = cfg.qk_nope_head_dim
+        a["wq_b"][..., :dn] *= np.sqrt(g)[:, None, :, None]
+        a["wq_b"][..., dn:] *= g[:, None, :, None]
+        a["wkv_b"][..., :dn] *= np.sqrt(g)[:, None, :, None]
+    else:
+        L, N, K = g.shape[0], cfg.n_heads, cfg.kv_heads
+        g_kv = g.reshape(L, K, N // K).min(axis=-1)
+        a["wq"] *= (g / np.repeat(np.sqrt(g_kv), N // K, axis=1))[:, None, :, None]
+        a["wk"] *= np.sqrt(g_kv)[:, None, :, None]
+    return p
+
+
+def assert_params_close(got, want):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(got)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=PARAM_RTOL, atol=PARAM_ATOL,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def inputs_of(batch) -> np.ndarray:
+    return np.asarray(jax.device_get(batch))[:, :-1]
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_clip_against_direct_computation(kind):
+    keys = MLA if kind == "mla" else None
+    base = tiny(model_keys=keys)
+    params0 = jax.device_get(model.init_params(base.model, jax.random.key(0)))
+    source = make_source(base)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    batches = [np.asarray(batch_at(source, k, 8, one)) for k in range(2)]
+    smax0 = direct_maxima(base.model, params0, inputs_of(batches[0]))
+    # tau between the heads' maxima: some heads of every layer clip, some do not.
+    tau = float(np.sort(smax0.ravel())[smax0.size // 2 - 1] + np.sort(smax0.ravel())[smax0.size // 2]) / 2
+    clipped = smax0 > tau
+    assert clipped.any() and (~clipped).any() and np.min(np.abs(smax0 - tau) / tau) > 1e-3
+    cfg = tiny(model_keys=keys, tau=tau)
+    mesh = make_mesh(cfg, jax.devices()[:1])
+    program, plain = build(cfg, mesh), build(tiny(model_keys=keys), mesh)  # (the same step without qk_clip)
+    key = jax.random.key(0)
+    state = program.init.lower(key).compile(COMPILER_OPTIONS)(key)
+    # (The compiled init rounds a few ulps apart from the eager one tau was chosen from: the
+    # maxima are taken again from the step's own initial parameters, the margin above is 1e-3.)
+    params0 = jax.device_get(state.params)
+    smax0 = direct_maxima(cfg.model, params0, inputs_of(batches[0]))
+    assert (clipped == (smax0 > tau)).all()
+    put = lambda b: jax.device_put(b, program.batch_sharding)  # noqa: E731
+    step = program.step.lower(state, put(batches[0])).compile(COMPILER_OPTIONS)
+
+    # Step 0 (lr 0): the parameters are the initial ones, clipped by the maxima of batch 0.
+    state, metrics = step(state, put(batches[0]))
+    for n in range(cfg.model.n_layers):
+        np.testing.assert_allclose(float(metrics[f"max_logit_{n}"]), smax0[n].max(), rtol=MAX_RTOL)
+    np.testing.assert_allclose(float(metrics["max_logit"]), smax0.max(), rtol=MAX_RTOL)
+    assert_params_close(state.params, clip_by_hand(cfg.model, params0, smax0, tau))
+    # The clip acts: the first layer's clipped heads now peak at tau on the same batch, its other
+    # heads where they were (later layers' inputs moved with it). Skipping the clip leaves
+    # them at smax0 (>= 1e-3 above tau); MAX_RTOL as above.
+    after = direct_maxima(cfg.model, state.params, inputs_of(batches[0]))
+    np.testing.assert_allclose(after[0], np.where(clipped[0], tau, smax0[0]), rtol=MAX_RTOL)
+
+    # Step 1 (lr > 0): the clip of the updated parameters, by the maxima of the step's own forward.
+    params1 = jax.device_get(state.params)
+    smax1 = direct_maxima(cfg.model, params1, inputs_of(batches[1]))
+    plain_state = jax.tree.map(jnp.copy, state)
+    state, metrics = step(state, put(batches[1]))
+    plain_step = plain.step.lower(plain_state, put(batches[1])).compile(COMPILER_OPTIONS)
+    updated = plain_step(plain_state, put(batches[1]))[0].params
+    assert max_abs_diff(updated, params1) > 1e-4  # (the step moved the parameters)
+    np.testing.assert_allclose([float(metrics[f"max_logit_{n}"]) for n in range(2)], smax1.max(axis=1), rtol=MAX_RTOL)
+    assert (smax1 > tau).any()
+    assert_params_close(state.params, clip_by_hand(cfg.model, updated, smax1, tau))
