@@ -17,7 +17,7 @@ import pytest
 
 from helpers import COMPILER_OPTIONS, max_abs_diff
 from jaxpar import model
-from jaxpar.config import ConfigError, from_dict
+from jaxpar.config import ConfigError, from_dict, validate
 from jaxpar.mesh import make_mesh
 from jaxpar.train.data import batch_at, make_source
 from jaxpar.train.step import build
@@ -131,7 +131,29 @@ def inputs_of(batch) -> np.ndarray:
     return np.asarray(jax.device_get(batch))[:, :-1]
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_max_logits_blocks_and_documents(monkeypatch):
+    """`qk_clip.max_logits` in query blocks (3 of 8 here) under the causal and a document mask,
+    grouped heads (N 4, K 2), against float64 (MAX_RTOL's reasons)."""
+    from jaxpar.model import qk_clip
+
+    monkeypatch.setattr(qk_clip, "QUERY_BLOCK", 8)
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, 24, 4, 8)), rng.standard_normal((2, 24, 2, 8))
+    seg = np.cumsum(rng.random((2, 24)) < 0.2, axis=1)
+    s = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, 2, axis=2)) / np.sqrt(8)
+    for segments in (None, seg):
+        keep = np.tril(np.ones((24, 24), bool))[None]
+        if segments is not None:
+            keep = keep & (segments[:, :, None] == segments[:, None, :])
+        want = np.where(keep[:, None], s, -np.inf).max(axis=(0, 2, 3))
+        got = jax.jit(qk_clip.max_logits)(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
+                                          None if segments is None else jnp.asarray(segments, jnp.int32))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=MAX_RTOL)
+    # (The document mask matters here: the masked maxima differ from the causal ones.)
+    assert not np.allclose(want, np.where(np.tril(np.ones((24, 24), bool)), s, -np.inf).max(axis=(0, 2, 3)))
+
+
+@pytest.mark.parametrize("kind", ["gqa", pytest.param("mla", marks=pytest.mark.slow)])  # (31 s each)
 def test_clip_against_direct_computation(kind):
     keys = MLA if kind == "mla" else None
     base = tiny(model_keys=keys)
@@ -180,3 +202,91 @@ def test_clip_against_direct_computation(kind):
     np.testing.assert_allclose([float(metrics[f"max_logit_{n}"]) for n in range(2)], smax1.max(axis=1), rtol=MAX_RTOL)
     assert (smax1 > tau).any()
     assert_params_close(state.params, clip_by_hand(cfg.model, updated, smax1, tau))
+
+
+# ------------------------------------------------------------------ parity with one device
+
+TAU = 1.5  # below the tiny model's largest logits (~1.5..3 at init_std 0.3): heads clip every step
+_REF: dict = {}
+
+
+def run(cfg) -> dict:
+    """Losses, the max_logit metrics of every step, final parameters (each program compiled once,
+    LLVM's optimizations off as every parity test)."""
+    program = build(cfg, make_mesh(cfg, jax.devices()[:cfg.mesh.data * cfg.mesh.stage * cfg.mesh.model]))
+    source = make_source(cfg)
+    key = jax.random.key(cfg.train.seed)
+    state = program.init.lower(key).compile(COMPILER_OPTIONS)(key)
+    init = jax.device_get(state.params)
+    batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(cfg.train.steps)]
+    step = program.step.lower(state, batches[0]).compile(COMPILER_OPTIONS)
+    losses, maxima = [], []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        maxima.append([float(metrics["max_logit"])] + [float(metrics[f"max_logit_{n}"])
+                                                       for n in range(cfg.model.n_layers)])
+    return {"losses": np.array(losses), "maxima": np.array(maxima), "init": init,
+            "params": jax.device_get(state.params), "skipped": int(state.skipped)}
+
+
+def reference(model_keys=None, train=None) -> dict:
+    key = (tuple(sorted((model_keys or {}).items())), tuple(sorted((train or {}).items())))
+    if key not in _REF:
+        _REF[key] = run(tiny(model_keys=model_keys, tau=TAU, train=train))
+    return _REF[key]
+
+
+def check_parity(mesh, model_keys=None, train=None, **parallel):
+    """Losses (helpers.LOSS_RTOL's reasons), the logged maxima (MAX_RTOL's: the same products,
+    reduced by max in another order, which is exact: observed equal to 2e-8) and the final
+    parameters (helpers.PARAM_ATOL's reasons) against one device, with heads clipped."""
+    from helpers import LOSS_RTOL, PARAM_ATOL
+
+    ref = reference(model_keys, train)
+    assert (ref["maxima"][:, 0] > TAU).all() and max_abs_diff(ref["params"], ref["init"]) > 1e-3
+    out = run(tiny(mesh, model_keys, TAU, train, **parallel))
+    assert out["skipped"] == ref["skipped"] == 0
+    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(out["maxima"], ref["maxima"], rtol=MAX_RTOL)
+    assert max_abs_diff(out["params"], ref["params"]) < PARAM_ATOL
+
+
+def test_parity_data_4_microbatches_2():
+    """The max over data ranks (pmax) and over microbatches (accumulate), with ZeRO-1."""
+    check_parity((4, 1, 1), zero=1, microbatches=2)
+
+
+SLOW = {
+    "data8-zero0": (dict(mesh=(8, 1, 1), zero=0), None, None),
+    "data2-zero2-microbatches4": (dict(mesh=(2, 1, 1), zero=2, microbatches=4), None, None),
+    "data8-zero3": (dict(mesh=(8, 1, 1), zero=3), None, None),
+    "tp2-sp-zero1": (dict(mesh=(4, 1, 2), zero=1, sequence_parallel=True), None, None),
+    "tp4-kv-replicated": (dict(mesh=(2, 1, 4), zero=1, sequence_parallel=True, microbatches=2), None, None),
+    "mla-tp2-sp": (dict(mesh=(4, 1, 2), zero=1, sequence_parallel=True), MLA, None),
+    "muon-tp2-sp": (dict(mesh=(4, 1, 2), zero=1, sequence_parallel=True), None, {"optimizer": "muon"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW))
+def test_parity_slow(name):
+    parallel, model_keys, train = SLOW[name]
+    parallel = dict(parallel)
+    check_parity(parallel.pop("mesh"), model_keys, train, **parallel)
+
+
+# ------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("keys, words", [
+    ({"train": {"qk_clip": 0.0}}, "train.qk_clip = 0.0 must be positive"),
+    ({"train": {"qk_clip": 5.0}, "mesh": {"stage": 2}}, "mesh.stage = 2"),
+    ({"train": {"qk_clip": 5.0}, "parallel": {"data_mode": "naive"}}, "parallel.data_mode = naive"),
+    ({"train": {"qk_clip": 5.0}, "parallel": {"context": 2}}, "parallel.context = 2"),
+    ({"train": {"qk_clip": 5.0}, "model": {"qk_norm": True}}, "model.qk_norm = true"),
+])
+def test_refusals(keys, words):
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")) as info:
+        validate(from_dict(keys))
+    assert "; set " in str(info.value)  # the fix

@@ -78,23 +78,36 @@ def record(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, segments_BxT: jax.Array |
         rec.append(max_logits(q_BxTxNxH, k_BxSxKxH, segments_BxT))
 
 
+QUERY_BLOCK = 256
+"""`max_logits` computes the logits of at most this many queries of one batch row at a time."""
+
+
 def max_logits(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, segments_BxT: jax.Array | None = None) -> jax.Array:
     """[N] float32: over every batch row and every (query, key) pair the causal (and document)
     mask keeps, the largest q·k / sqrt(H) of each query head (GQA: head n reads key head n // G,
-    G = N / K, as every kernel groups them). No gradient; one batch row at a time (`lax.map`)."""
+    G = N / K, as every kernel groups them). No gradient; one batch row and one block of up to
+    `QUERY_BLOCK` queries at a time (`lax.map`): N·QUERY_BLOCK·S floats of transient memory."""
     q = jax.lax.stop_gradient(q_BxTxNxH).astype(jnp.float32)
     k = jax.lax.stop_gradient(k_BxSxKxH).astype(jnp.float32)
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    causal = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + (S - T)
+    b = next(d for d in range(min(T, QUERY_BLOCK), 0, -1) if T % d == 0)  # queries per block
     seg = jnp.zeros((B, T), jnp.int32) if segments_BxT is None else segments_BxT
 
     def row(args):
         q_TxNxH, k_SxKxH, seg_T = args
-        s = jnp.einsum("tkgh,skh->kgts", q_TxNxH.reshape(T, K, N // K, H), k_SxKxH,
-                       precision=jax.lax.Precision.HIGHEST) / math.sqrt(H)
-        keep = causal & (seg_T[:, None] == seg_T[None, :]) if segments_BxT is not None else causal
-        return jnp.max(jnp.where(keep, s, -jnp.inf), axis=(2, 3)).reshape(N)
+
+        def block(args):
+            q_bxKxGxH, i = args
+            s = jnp.einsum("tkgh,skh->kgts", q_bxKxGxH, k_SxKxH, precision=jax.lax.Precision.HIGHEST) / math.sqrt(H)
+            t = i * b + jnp.arange(b)  # these queries' positions; the keys' are 0..S-1 (S = T without a cache)
+            keep = jnp.arange(S)[None, :] <= t[:, None] + (S - T)
+            if segments_BxT is not None:
+                keep = keep & (jax.lax.dynamic_slice_in_dim(seg_T, i * b, b)[:, None] == seg_T[None, :])
+            return jnp.max(jnp.where(keep, s, -jnp.inf), axis=(2, 3)).reshape(N)
+
+        blocks = q_TxNxH.reshape(T // b, b, K, N // K, H)
+        return jnp.max(jax.lax.map(block, (blocks, jnp.arange(T // b))), axis=0)
 
     return jnp.max(jax.lax.map(row, (q, k, seg)), axis=0)
 
