@@ -117,6 +117,48 @@ def owner_axes(mesh: Mesh | None) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
 
 
+def ns_flops(a: int, b: int) -> int:
+    """FLOPs of the Newton-Schulz iterations of one matrix [a, b], a <= b: per iteration A = X Xᵀ
+    (2a²b), A·A (2a³) and (bA + cA²)·X (2a²b)."""
+    return NS_STEPS * (4 * a * a * b + 2 * a ** 3)
+
+
+class Deal(NamedTuple):
+    """How `orthogonalize_owned` deals a model's Muon matrices over `ranks` owners: per rank, its
+    Newton-Schulz FLOPs (`flops`: the busiest rank's, padding included) and the elements of the
+    padded stacks it owns (`owned`: what it receives, and sends back, of the momentum)."""
+
+    ranks: int
+    flops: int
+    owned: int
+
+
+def deal(shapes: Any, names: Any, ranks: int, stages: int = 1) -> Deal:
+    """The deal of `orthogonalize_owned` from the parameters' shapes and logical names, over
+    `ranks` owners of which `stages` pipeline stages each hold their share of the `layers`-stacked
+    leaves (dealt within the stage, over ranks / stages owners); the rest over all ranks. The
+    planner reads the same deal (`jaxpar.plan`)."""
+    groups: dict[tuple, int] = {}
+    leaves = jax.tree.leaves(names, is_leaf=_is_names)
+    for shape, n in zip(jax.tree.leaves(shapes), leaves):
+        axes = matrix_axes(n)
+        if axes is None:
+            continue
+        shape = getattr(shape, "shape", shape)
+        m, k = math.prod(shape[i] for i in axes[0]), math.prod(shape[i] for i in axes[1])
+        count = math.prod(shape[i] for i in range(len(shape)) if i not in axes[0] + axes[1])
+        staged = stages > 1 and "layers" in n and count % stages == 0
+        key = (min(m, k), max(m, k), staged)
+        groups[key] = groups.get(key, 0) + (count // stages if staged else count)
+    flops = owned = 0
+    for (a, b, staged), count in groups.items():
+        owners = ranks // stages if staged else ranks
+        per_rank = -(-count // owners)
+        flops += per_rank * ns_flops(a, b)
+        owned += per_rank * a * b
+    return Deal(ranks, flops, owned)
+
+
 def _spec_axes(spec: P) -> tuple[str, ...]:
     return tuple(a for ax in spec for a in ((ax,) if isinstance(ax, str) else ax or ()))
 
@@ -142,6 +184,37 @@ def _from_matrices(x: jax.Array, how: tuple) -> jax.Array:
     return jnp.transpose(x.reshape(shape), tuple(perm.index(i) for i in range(len(perm))))
 
 
+def _matrix_spec(spec: P, ndim: int, names: tuple[str, ...], transposed: bool) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes of the dims [M, a, b] of `_as_matrices`'s matrices of a leaf laid out by
+    `spec`: each merged dim's axes in order (the stack dims', the input dims', the output dims')."""
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    ins, outs = matrix_axes(names)
+    stack = tuple(i for i in range(ndim) if i not in ins + outs)
+
+    def merged(dims):
+        return tuple(a for i in dims for a in _spec_axes(P(entries[i])))
+
+    m, a, b = merged(stack), merged(ins), merged(outs)
+    return (m, b, a) if transposed else (m, a, b)
+
+
+def _one_axis_at_a_time(lead: tuple, owners: tuple[str, ...], layout: tuple[tuple[str, ...], ...]) -> list[P]:
+    """The layouts a stack [*lead, M, a, b] stored with (a, b) over `layout`'s axes passes through
+    on its way to M sharded over `owners`: each owner axis moved from a or b onto M in turn, or
+    sliced there where the stack is replicated over it (XLA's partitioner moves one axis between
+    two dims with one all-to-all, but replicates a stack whose dims change over two axes at once).
+    The owners' layout itself is left out."""
+    a, b = list(layout[0]), list(layout[1])
+    m: list[str] = []
+    out = []
+    for ax in owners:
+        moved = ax in a or ax in b
+        a, b = [x for x in a if x != ax], [x for x in b if x != ax]
+        m.append(ax)
+        out.append(P(*lead, tuple(m), tuple(a) or None, tuple(b) or None))
+    return out[:-1] if out and not a and not b else out
+
+
 def orthogonalize_owned(us: list[jax.Array], names: list[tuple[str, ...]], mesh: Mesh, axes: tuple[str, ...],
                         ns_dtype: Any = jnp.float32, specs: list[P] | None = None) -> list[jax.Array]:
     """`orthogonalize` of each of `us` (Muon's leaves, names `names`), with each logical matrix
@@ -153,39 +226,81 @@ def orthogonalize_owned(us: list[jax.Array], names: list[tuple[str, ...]], mesh:
     XLA moves each momentum there and the result back once each way: to `specs` (the leaves'
     PartitionSpecs in the state's layout: a group whose leaves are all replicated over `axes`,
     ZeRO-0, is all-gathered whole, one collective) or, without them, to the layout the step
-    constrains the updates to."""
+    constrains the updates to.
+
+    With `specs`, the stack is built without moving a matrix across the mesh first: a leaf whose
+    matrices are stored sharded over `stage` (a pipeline's layers) is dealt within its stage (its
+    matrices [stage, M / stage, a, b], stacked and padded per stage, owned by the stage's ranks of
+    the other axes); the members of a stack share one layout of (a, b) (a square matrix laid out
+    the other way round is stacked transposed: Newton-Schulz commutes with the transpose; any
+    other is moved to the first member's layout before it is stacked)."""
     ranks = math.prod(mesh.shape[a] for a in axes)
-    owned = NamedSharding(mesh, P(axes, None, None))
+    p = mesh.shape["stage"] if "stage" in axes else 1
+    inner = tuple(a for a in axes if a != "stage")
     groups: dict[tuple, list[int]] = {}
-    mats, hows = [], []
+    mats, hows, mspecs, flips = [], [], [], []
     for i, (u, n) in enumerate(zip(us, names)):
         if specs is not None:  # the momentum where the state keeps it (not its owners' layout propagated back)
             u = jax.lax.with_sharding_constraint(u, NamedSharding(mesh, specs[i]))
         x, how = _as_matrices(u.astype(ns_dtype), n)
+        ms = None if specs is None else _matrix_spec(specs[i], u.ndim, n, how[2])
+        staged = ms is not None and p > 1 and ms[0][:1] == ("stage",) and x.shape[0] % p == 0
         mats.append(x)
         hows.append(how)
-        groups.setdefault(x.shape[1:], []).append(i)
+        mspecs.append(ms)
+        flips.append(False)
+        # (Stacked with the matrices of its shape, stage and sharding of M: expert parallelism's.)
+        spread = () if ms is None else tuple(a for a in ms[0] if a != "stage")
+        groups.setdefault((x.shape[1:], staged, spread), []).append(i)
     out: list[Any] = [None] * len(us)
     dims = MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,))
-    for members in groups.values():
-        x = jnp.concatenate([mats[i] for i in members]) if len(members) > 1 else mats[members[0]]
-        total = x.shape[0]
-        pad = -total % ranks
+    for (_, staged, _), members in groups.items():
+        lead = (p,) if staged else ()
+        if specs is not None:  # one (a, b) layout for the stack: the first member's
+            layout = mspecs[members[0]][1:]
+            for i in members[1:]:
+                if mspecs[i][1:] == layout:
+                    continue
+                x = mats[i]
+                if x.shape[1] == x.shape[2] and mspecs[i][2:0:-1] == layout:
+                    mats[i], flips[i] = jnp.swapaxes(x, 1, 2), True
+                else:
+                    mats[i] = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(mspecs[i][0] or None,
+                                                                                       *(s or None for s in layout))))
+        parts = [mats[i].reshape(lead + (-1,) + mats[i].shape[1:]) for i in members]
+        x = jnp.concatenate(parts, axis=len(lead)) if len(parts) > 1 else parts[0]
+        total = x.shape[len(lead)]
+        pad = -total % (ranks // p if staged else ranks)
         if pad:
-            x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
-        replicated = specs is not None and not any(set(_spec_axes(specs[i])) & set(axes) for i in members)
+            x = jnp.concatenate([x, jnp.zeros(lead + (pad,) + x.shape[len(lead) + 1:], x.dtype)], axis=len(lead))
+        # Owners: the stage's ranks (a staged stack) or every rank, each M / ranks whole matrices.
+        owned = NamedSharding(mesh, P("stage", inner, None, None) if staged else P(axes, None, None))
+        whole = NamedSharding(mesh, P("stage") if staged else P())
+        replicated = specs is not None and not any(set(_spec_axes(specs[i])) & set(inner if staged else axes)
+                                                    for i in members)
+        steps = [] if specs is None or replicated else _one_axis_at_a_time(
+            ("stage",) if staged else (), inner if staged else axes, mspecs[members[0]][1:])
         if replicated:  # ZeRO-0: every rank slices its own matrices out of the whole stack
-            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+            x = jax.lax.with_sharding_constraint(x, whole)
+        for spec in steps:  # to the owners, one axis at a time (one all-to-all over each)
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
         x = jax.lax.with_sharding_constraint(x, owned)
-        o = orthogonalize_via_newton_schulz(x, jnp.asarray(NS_COEFFS), NS_STEPS, "frobenius", NS_EPS, dims)
-        o = jax.lax.with_sharding_constraint(o, owned)
+        flat = x.reshape((-1,) + x.shape[-2:])
+        o = orthogonalize_via_newton_schulz(flat, jnp.asarray(NS_COEFFS), NS_STEPS, "frobenius", NS_EPS, dims)
+        o = jax.lax.with_sharding_constraint(o.reshape(x.shape), owned)
         if replicated:
-            o = jax.lax.with_sharding_constraint(o, NamedSharding(mesh, P()))  # replicated leaves: one gather
+            o = jax.lax.with_sharding_constraint(o, whole)  # replicated leaves: one gather
+        for spec in reversed(steps):  # and back, the same way
+            o = jax.lax.with_sharding_constraint(o, NamedSharding(mesh, spec))
         start = 0
         for i in members:
-            count = mats[i].shape[0]
+            count = mats[i].shape[0] // (p if staged else 1)
             u, n = us[i], names[i]
-            o_i = _from_matrices(o[start:start + count], hows[i])
+            o_i = o[:, start:start + count] if staged else o[start:start + count]
+            o_i = o_i.reshape(mats[i].shape)
+            if flips[i]:
+                o_i = jnp.swapaxes(o_i, 1, 2)
+            o_i = _from_matrices(o_i, hows[i])
             o_i = (o_i.astype(jnp.float32) * rms_scale(u.shape, n)).astype(u.dtype)
             out[i] = o_i if specs is None else jax.lax.with_sharding_constraint(o_i, NamedSharding(mesh, specs[i]))
             start += count
