@@ -66,11 +66,20 @@ def _rope(x, theta):
 
 def layer_inputs(cfg, params, inputs) -> list[np.ndarray]:
     """Each layer's input x_l [B, T, D] (float64 of the model's float32 forward): the backbone of
-    the first l layers."""
+    the first l layers (a mixed model's first dense layers and MoE layers, `moe_layers:
+    first_dense:1` here)."""
     out = []
     for n in range(cfg.n_layers):
-        mc = dataclasses.replace(cfg, n_layers=max(n, 1))
-        p = {**params, "blocks": jax.tree.map(lambda a: a[:max(n, 1)], params["blocks"])}
+        if cfg.mixed and n <= 1:  # the dense first layer alone
+            mc = dataclasses.replace(cfg, n_layers=1, n_experts=0, moe_layers="all")
+            p = {**params, "blocks": jax.tree.map(lambda a: a[:1], params["blocks"]["dense"])}
+        elif cfg.mixed:
+            mc = dataclasses.replace(cfg, n_layers=n)
+            p = {**params, "blocks": {"dense": params["blocks"]["dense"],
+                                      "moe": jax.tree.map(lambda a: a[:n - 1], params["blocks"]["moe"])}}
+        else:
+            mc = dataclasses.replace(cfg, n_layers=max(n, 1))
+            p = {**params, "blocks": jax.tree.map(lambda a: a[:max(n, 1)], params["blocks"])}
         m = model.bind(mc, p)
         x = m.embed_tokens(jnp.asarray(inputs))
         out.append(np.asarray(x if n == 0 else m.backbone(x), np.float64))
@@ -82,8 +91,10 @@ def direct_maxima(cfg, params, inputs) -> np.ndarray:
     p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), jax.device_get(params))
     out = []
     for n, x in enumerate(layer_inputs(cfg, params, inputs)):
-        a = jax.tree.map(lambda v: v[n], p64["blocks"]["attn"])
-        h = _rms(x, p64["blocks"]["attn_norm"]["scale"][n], cfg.norm_eps)
+        blocks, i = (p64["blocks"], n) if not cfg.mixed else (
+            (p64["blocks"]["dense"], 0) if n == 0 else (p64["blocks"]["moe"], n - 1))
+        a = jax.tree.map(lambda v: v[i], blocks["attn"])
+        h = _rms(x, blocks["attn_norm"]["scale"][i], cfg.norm_eps)
         if cfg.mla:
             dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
             q = np.einsum("btr,rnh->btnh", _rms(h @ a["wq_a"], a["q_norm"], cfg.norm_eps), a["wq_b"])
@@ -202,6 +213,32 @@ def test_clip_against_direct_computation(kind):
     np.testing.assert_allclose([float(metrics[f"max_logit_{n}"]) for n in range(2)], smax1.max(axis=1), rtol=MAX_RTOL)
     assert (smax1 > tau).any()
     assert_params_close(state.params, clip_by_hand(cfg.model, updated, smax1, tau))
+
+
+@pytest.mark.slow
+def test_mixed_moe_layer_order():
+    """A mixed MoE model (a dense first layer, then MoE layers: two stacks, `MixedBlocks`): the
+    step's per-layer maxima are each layer's, in layer order, and each stack's heads are clipped
+    by its own layers' maxima (step 0, lr 0; MAX_RTOL, PARAM_RTOL as above)."""
+    keys = {"n_layers": 3, "n_experts": 4, "experts_per_token": 2, "expert_d_ff": 16, "moe_layers": "first_dense:1"}
+    base = tiny(model_keys=keys)
+    tau = 10.5  # (the heads' maxima on batch 0 at init: 8.2..15.0, at least 1% from tau)
+    cfg = tiny(model_keys=keys, tau=tau)
+    program = build(cfg, make_mesh(cfg, jax.devices()[:1]))
+    key = jax.random.key(0)
+    state = program.init(key)
+    params0 = jax.device_get(state.params)
+    batch = batch_at(make_source(base), 0, 8, program.batch_sharding)
+    smax = direct_maxima(cfg.model, params0, inputs_of(batch))
+    assert (smax > tau).any() and (smax <= tau).any() and np.min(np.abs(smax - tau)) > 1e-2 * tau
+    assert len(set(np.round(smax.max(axis=1), 3))) == 3  # (layers told apart by their maxima)
+    state, metrics = program.step(state, batch)
+    np.testing.assert_allclose([float(metrics[f"max_logit_{n}"]) for n in range(3)], smax.max(axis=1), rtol=MAX_RTOL)
+    got = jax.device_get(state.params)
+    for kind, rows in (("dense", [0]), ("moe", [1, 2])):
+        want = clip_by_hand(cfg.model, {"blocks": got["blocks"][kind] | {"attn": params0["blocks"][kind]["attn"]}},
+                            smax[rows], tau)
+        assert_params_close(got["blocks"][kind]["attn"], want["blocks"]["attn"])
 
 
 # ------------------------------------------------------------------ parity with one device
