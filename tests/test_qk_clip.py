@@ -355,3 +355,12 @@ def test_refusals(keys, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")) as info:
         validate(from_dict(keys))
     assert "; set " in str(info.value)  # the fix
+
+
+def test_the_log_line_shows_max_logit():
+    from jaxpar.train.progress import line
+
+    rec = {"step": 3, "loss": 4.1, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 100.0, "model_tflops_per_device": 0.1,
+           "step_time_s": 1.0, "device_wait_s": 0.9, "skipped_steps": 0, "max_logit": 123.456, "max_logit_0": 1.0}
+    assert line(rec, 10, 1.0).endswith(" max_logit 123.5")
+    assert "max_logit" not in line({k: v for k, v in rec.items() if not k.startswith("max_logit")}, 10, 1.0)

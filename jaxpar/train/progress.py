@@ -20,7 +20,7 @@ log = logging.getLogger("jaxpar.progress")
 
 def fields(rec: dict) -> dict[str, str]:
     """The formatted pieces of a record: loss, grad norm, lr, tokens/s, efficiency, and where
-    present the validation loss, the routers' figures and the MTP loss."""
+    present the validation loss, the routers' figures, the MTP loss and QK-clip's max logit."""
     out = {"loss": f"{rec['loss']:.4f}", "grad_norm": f"{rec['grad_norm']:.3g}", "lr": f"{rec['lr']:.3g}",
            "tps": f"{rec['tokens_per_s']:,.0f}", "eff": efficiency.describe(rec)}
     if "val_loss" in rec:
@@ -34,6 +34,8 @@ def fields(rec: dict) -> dict[str, str]:
         out["mtp"] = f"{rec['mtp_loss']:.4f}" + (
             f" ({' '.join(f'{rec[k]:.4f}' for k in sorted(depths, key=lambda k: int(k.rsplit('_', 1)[1])))})"
             if depths else "")
+    if "max_logit" in rec:  # train.qk_clip: the largest attention logit of the step (before the clip)
+        out["max_logit"] = f"{rec['max_logit']:.4g}"
     if rec.get("skipped_steps"):
         out["skipped"] = str(rec["skipped_steps"])
     return out
@@ -46,7 +48,7 @@ def line(rec: dict, total: int, eta_s: float | None) -> str:
     eta = "-" if eta_s is None else str(datetime.timedelta(seconds=round(eta_s)))
     text = (f"step {rec['step']}/{total} loss {f['loss']} grad_norm {f['grad_norm']} lr {f['lr']} "
             f"tok/s {f['tps']} {f['eff']} ETA {eta}")
-    for key in ("val", "mtp", "moe", "skipped"):
+    for key in ("val", "mtp", "moe", "max_logit", "skipped"):
         if key in f:
             text += f" {key} {f[key]}"
     return text
