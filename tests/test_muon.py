@@ -294,6 +294,17 @@ def check_cost(zero: int):
         assert data_bytes - adam_bytes < 0.4 * zero1_adam_bytes, (data_bytes, adam_bytes)
     # Temporaries within 1 KiB of AdamW's (the optimizer state is 0.54x AdamW's: one momentum).
     assert temp <= adam_temp + 1024, (temp, adam_temp)
+    # The planner's owners' traffic (`muon_collectives`, from `muon.deal`) is what Muon adds.
+    assert _planned_extra(zero, (8, 1, 1))["data"] == data_bytes - adam_bytes
+
+
+def _planned_extra(zero: int, mesh: tuple[int, int, int]) -> dict[str, float]:
+    """What the planner says Muon's step adds to AdamW's bytes on each axis."""
+    from jaxpar.plan.collectives import bytes_per_axis
+
+    cfg = _cost_cfg(zero, "muon").replace(mesh=dict(zip(("data", "stage", "model"), mesh)))
+    muon, adam = bytes_per_axis(cfg, mesh), bytes_per_axis(cfg.replace(train={"optimizer": "adamw"}), mesh)
+    return {a: muon[a] - adam[a] for a in muon}
 
 
 def test_newton_schulz_on_owning_ranks_zero1():
@@ -373,6 +384,7 @@ def test_owners_per_stage_and_over_tensor_parallelism(mesh):
     assert dots - adam_dots == d.flops and d.flops / (NS_TOTAL / 8) <= 1.25, (dots - adam_dots, d)
     moved = {"data": 2 * 4 * d.owned, "stage": 0, "model": 2 * 4 * d.owned}
     assert {a: axis_bytes[a] - adam_bytes[a] for a in moved} == moved, (axis_bytes, adam_bytes)
+    assert _planned_extra(1, mesh) == moved
 
 
 # ------------------------------------------------------------------ checkpoints, planner, config
@@ -482,6 +494,22 @@ def test_planner_counts_one_momentum_on_muons_leaves():
         assert model_state(cfg, (8, 1, 1))["optimizer"] == held
         adam = model_state(cfg.replace(train={"optimizer": "adamw"}), (8, 1, 1))["optimizer"]
         assert model_state(cfg, (8, 1, 1))["optimizer"] < adam
+
+
+def test_planner_times_newton_schulz_on_the_busiest_rank():
+    """The step-time model's `newton_schulz` term: the deal's FLOPs per rank at the matmul rate of
+    `train.muon_ns_dtype`; 0 with AdamW; it falls with more ranks."""
+    from jaxpar.hardware import HARDWARE
+    from jaxpar.plan.steptime import MATMUL_EFFICIENCY, compute_terms
+
+    hw = HARDWARE["h100-80gb"]
+    cfg = _cost_cfg(1, "muon")
+    d = muon_lib.deal(model.param_shapes(cfg.model), model.param_names(cfg.model), 8)
+    assert compute_terms(cfg, (8, 1, 1), hw)["newton_schulz"] == d.flops / (MATMUL_EFFICIENCY * hw.peak_flops_fp32)
+    bf16 = cfg.replace(train={"muon_ns_dtype": "bfloat16"})
+    assert compute_terms(bf16, (8, 1, 1), hw)["newton_schulz"] == d.flops / (MATMUL_EFFICIENCY * hw.peak_flops)
+    assert compute_terms(cfg.replace(train={"optimizer": "adamw"}), (8, 1, 1), hw)["newton_schulz"] == 0
+    assert compute_terms(cfg, (2, 1, 1), hw)["newton_schulz"] > compute_terms(cfg, (8, 1, 1), hw)["newton_schulz"]
 
 
 def test_bad_values_are_refused_before_compiling():

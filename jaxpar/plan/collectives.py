@@ -11,7 +11,7 @@ from jaxpar.config import Config
 from jaxpar.mesh import AXES
 from jaxpar.parallel.gradients import reduction
 from jaxpar.plan import moe as moe_costs
-from jaxpar.plan.memory import _BYTES, _fused_b, _schedule, _stage_slots, context_block, model_state
+from jaxpar.plan.memory import _BYTES, _fused_b, _schedule, _stage_slots, context_block, model_state, muon_deal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +121,7 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     if t > 1:
         out += _tensor_collectives(cfg, rows, t, sp, act_size, p, d)
     out += context_collectives(cfg, shape)
+    out += muon_collectives(cfg, shape)
     volume, count = moe_costs.all_to_all(cfg, shape, rows, act_size)
     if count:  # tokens to their experts and back: the expert compute waits on them (exposed)
         out.append(Collective("all-to-all", ("data",), volume, count))
@@ -128,6 +129,25 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     volume, count, _ = moe_costs.assembled_experts(cfg, shape, act_size)
     if count:  # replicated experts: each rank's expert assembled from the slices of every rank
         out.append(Collective("all-to-all", ("data",), volume, count))
+    return out
+
+
+def muon_collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
+    """Muon's momentum to its owning ranks and the orthogonalized update back
+    (`jaxpar.train.muon.orthogonalize_owned`, its deal `muon.deal`), in `train.muon_ns_dtype`,
+    exposed (between the backward pass and the update): over `model` (tensor parallelism splits
+    every matrix) and over `data` under ZeRO-1+ (the state's shards), one all-to-all each way of
+    the rank's owned matrices; under ZeRO-0 the stacks are sliced from the replicated momentum and
+    the updates all-gathered over `data` (the data group's owned matrices). Never over `stage`: a
+    stage's layers are dealt within it."""
+    d, p, t = shape
+    if cfg.train.optimizer != "muon" or d * p * t == 1:
+        return []
+    owned = muon_deal(cfg, shape).owned * _BYTES[cfg.train.muon_ns_dtype]
+    out = [Collective("all-to-all", ("model",), owned, 2)] if t > 1 else []
+    if d > 1:
+        out.append(Collective("all-to-all", ("data",), owned, 2) if cfg.parallel.zero >= 1
+                   else Collective("all-gather", ("data",), owned * d))
     return out
 
 

@@ -86,6 +86,19 @@ def model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     return _model_state(_state_key(cfg, shape[1]), tuple(shape))
 
 
+def muon_deal(cfg: Config, shape: tuple[int, int, int]):
+    """Muon's Newton-Schulz deal over the mesh's ranks (`jaxpar.train.muon.deal`: whole matrices,
+    a pipeline's layers within their stage): each rank's FLOPs and owned matrix elements."""
+    return _muon_deal(cfg.model, math.prod(shape), shape[1])
+
+
+@functools.lru_cache(maxsize=256)
+def _muon_deal(m, ranks: int, stages: int):
+    from jaxpar.train.muon import deal
+
+    return deal(model.param_shapes(m), model.param_names(m), ranks, stages)
+
+
 def _stage_slots(cfg: Config, p: int):
     """The pipeline's layer slots where the step gathers the stacks into them (uneven stages, dense
     first layers: `jaxpar.parallel.stages`), else None (even chunks: a reshape of the storage)."""

@@ -16,7 +16,7 @@ from jaxpar.model.flops import count_active_params, model_flops_per_token
 from jaxpar.parallel.stages import valid_stage_layout
 from jaxpar.plan import moe as moe_costs
 from jaxpar.plan.collectives import collectives
-from jaxpar.plan.memory import _BYTES, _cached_schedule, model_state, uses_flash_attention
+from jaxpar.plan.memory import _BYTES, _cached_schedule, model_state, muon_deal, uses_flash_attention
 
 
 @functools.lru_cache(maxsize=4096)
@@ -57,7 +57,8 @@ def hardware_flops_per_token(cfg: Config, p: int) -> float:
 # (fitted: passes); `elementwise`: norms, residuals and activation functions, HBM passes over each
 # layer's [tokens, d_model + d_ff/t] values (fitted); `layer_pass`: seconds per layer pass (kernel
 # launches, the scan's bookkeeping; fitted); `head`: the float32 logits, 4 passes; `optimizer`:
-# Adam's update reading and writing the stored state once.
+# Adam's update reading and writing the stored state once; `newton_schulz`: Muon's iterations on
+# the rank's own matrices (not calibrated: no Muon step has run on a GPU yet).
 MATMUL_EFFICIENCY = 782.2 / 989.0
 CALIBRATION = {"flash": 2.85, "scores": 6.6, "elementwise": 13.2, "layer_pass": 7.34e-5}
 
@@ -114,7 +115,18 @@ def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dic
         "layer_pass": micro * layers * (3 + again),
         "head": micro * 4 * M * V * 4 / hw.hbm_bw / p,
         "optimizer": (2 * st["params"] + st["grads"] + 2 * st["optimizer"]) / hw.hbm_bw,
+        "newton_schulz": newton_schulz_seconds(cfg, shape, hw),
     }
+
+
+def newton_schulz_seconds(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> float:
+    """Muon's Newton-Schulz on one rank: the busiest rank's matrices of the deal
+    (`jaxpar.plan.memory.muon_deal`) at the matmul rate in `train.muon_ns_dtype` (each iteration
+    three matmuls; at these sizes, thousands of rows, compute-bound); 0 with AdamW."""
+    if cfg.train.optimizer != "muon":
+        return 0.0
+    peak = hw.peak_flops if cfg.train.muon_ns_dtype == "bfloat16" else hw.peak_flops_fp32
+    return muon_deal(cfg, shape).flops / (MATMUL_EFFICIENCY * peak)
 
 
 def busiest_stage_layers(cfg: Config, p: int) -> float:
