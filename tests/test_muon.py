@@ -204,6 +204,7 @@ def test_parity_data_8(zero):
 
 SLOW = {
     "tp2-sp-zero1": (dict(mesh=(4, 1, 2), zero=1, sequence_parallel=True), None),
+    "tp4-sp-zero1": (dict(mesh=(2, 1, 4), zero=1, sequence_parallel=True), None),
     "data8-zero0": (dict(mesh=(8, 1, 1), zero=0), None),
     "data8-zero2": (dict(mesh=(8, 1, 1), zero=2), None),
     "data8-naive": (dict(mesh=(8, 1, 1), data_mode="naive"), None),
@@ -361,7 +362,7 @@ def _mesh_cost_cfg(mesh: tuple[int, int, int], optimizer: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [(2, 2, 2), (4, 1, 2)])
+@pytest.mark.parametrize("mesh", [(2, 2, 2)])  # (4, 1, 2) measured alike (docs/muon.md); one mesh for CI time
 def test_owners_per_stage_and_over_tensor_parallelism(mesh):
     """From the compiled ZeRO-1 step: each rank runs the deal's Newton-Schulz FLOPs
     (`muon.deal`: whole matrices, a pipeline's layers dealt within their stage), the same 1.248x
