@@ -62,7 +62,7 @@ def run_steps(cfg: Config, devices=None) -> dict:
 
     Returns the loss and the gradient norm (before clipping) of every step, the gradients at the
     initial parameters on the first batch (as the step computed them), the initial and final
-    parameters and the count of skipped steps. Runs on the first data x stage x model devices
+    parameters, the count of skipped steps, and the MoE, MTP and QK-clip (`maxima`) metrics. Runs on the first data x stage x model devices
     unless `devices` is given.
 
     The gradients cost no extra program: Adam's first moment after step 0 is (1 - b1) x the
@@ -79,18 +79,21 @@ def run_steps(cfg: Config, devices=None) -> dict:
     init = jax.device_get(state.params)
     batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(cfg.train.steps)]
     step = program.step.lower(state, batches[0]).compile(COMPILER_OPTIONS)
-    losses, norms, grads, moe, mtp = [], [], None, [], []
+    losses, norms, grads, moe, mtp, maxima = [], [], None, [], [], []
     for batch in batches:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
         moe.append([float(metrics[k]) for k in sorted(metrics) if k.startswith("moe_")])
         mtp.append([float(metrics[k]) for k in sorted(metrics) if k.startswith("mtp_")])
+        if "max_logit" in metrics:  # train.qk_clip: the largest logit, then each layer's in order
+            maxima.append([float(metrics["max_logit"])] + [float(metrics[f"max_logit_{n}"])
+                                                           for n in range(cfg.model.n_layers)])
         if grads is None:
             grads = _first_gradient(cfg, state.opt_state, norms[0])
     return {"losses": np.array(losses), "grad_norms": np.array(norms), "grads": grads, "init": init,
             "params": jax.device_get(state.params), "skipped": int(metrics["skipped_steps"]),
-            "moe": np.array(moe), "mtp": np.array(mtp)}
+            "moe": np.array(moe), "mtp": np.array(mtp), "maxima": np.array(maxima)}
 
 
 def _first_gradient(cfg: Config, opt_state, grad_norm: float):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import COMPILER_OPTIONS, max_abs_diff
+from helpers import COMPILER_OPTIONS, max_abs_diff, run_steps
 from jaxpar import model
 from jaxpar.config import ConfigError, from_dict, validate
 from jaxpar.mesh import make_mesh
@@ -276,23 +276,8 @@ _REF: dict = {}
 
 
 def run(cfg) -> dict:
-    """Losses, the max_logit metrics of every step, final parameters (each program compiled once,
-    LLVM's optimizations off as every parity test)."""
-    program = build(cfg, make_mesh(cfg, jax.devices()[:cfg.mesh.data * cfg.mesh.stage * cfg.mesh.model]))
-    source = make_source(cfg)
-    key = jax.random.key(cfg.train.seed)
-    state = program.init.lower(key).compile(COMPILER_OPTIONS)(key)
-    init = jax.device_get(state.params)
-    batches = [batch_at(source, k, cfg.train.global_batch, program.batch_sharding) for k in range(cfg.train.steps)]
-    step = program.step.lower(state, batches[0]).compile(COMPILER_OPTIONS)
-    losses, maxima = [], []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-        maxima.append([float(metrics["max_logit"])] + [float(metrics[f"max_logit_{n}"])
-                                                       for n in range(cfg.model.n_layers)])
-    return {"losses": np.array(losses), "maxima": np.array(maxima), "init": init,
-            "params": jax.device_get(state.params), "skipped": int(state.skipped)}
+    """Losses, the max_logit metrics of every step (`maxima`), final parameters."""
+    return run_steps(cfg)
 
 
 def reference(model_keys=None, train=None) -> dict:
