@@ -280,22 +280,22 @@ def run(cfg) -> dict:
     return run_steps(cfg)
 
 
-def reference(model_keys=None, train=None) -> dict:
-    key = (tuple(sorted((model_keys or {}).items())), tuple(sorted((train or {}).items())))
+def reference(model_keys=None, train=None, data=None) -> dict:
+    key = tuple(tuple(sorted((x or {}).items())) for x in (model_keys, train, data))
     if key not in _REF:
-        _REF[key] = run(tiny(model_keys=model_keys, tau=TAU, train=train))
+        _REF[key] = run(tiny(model_keys=model_keys, tau=TAU, train=train, data=data))
     return _REF[key]
 
 
-def check_parity(mesh, model_keys=None, train=None, **parallel):
+def check_parity(mesh, model_keys=None, train=None, data=None, **parallel):
     """Losses (helpers.LOSS_RTOL's reasons), the logged maxima (MAX_RTOL's: the same products,
     reduced by max in another order, which is exact: observed equal to 2e-8) and the final
     parameters (helpers.PARAM_ATOL's reasons) against one device, with heads clipped."""
     from helpers import LOSS_RTOL, PARAM_ATOL
 
-    ref = reference(model_keys, train)
+    ref = reference(model_keys, train, data)
     assert (ref["maxima"][:, 0] > TAU).all() and max_abs_diff(ref["params"], ref["init"]) > 1e-3
-    out = run(tiny(mesh, model_keys, TAU, train, **parallel))
+    out = run(tiny(mesh, model_keys, TAU, train, data, **parallel))
     assert out["skipped"] == ref["skipped"] == 0
     np.testing.assert_allclose(out["losses"], ref["losses"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(out["maxima"], ref["maxima"], rtol=MAX_RTOL)
@@ -307,7 +307,15 @@ def test_parity_data_4_microbatches_2():
     check_parity((4, 1, 1), zero=1, microbatches=2)
 
 
+def test_parity_context_parallel_all_gather():
+    """Context parallelism (2 ranks per group, zigzag chunks): each rank's queries against the
+    whole sequence's keys at their positions, the max over the group by the data ranks' pmax."""
+    check_parity((8, 1, 1), zero=1, context=2)
+
+
 SLOW = {
+    "context2-ring-documents": (dict(mesh=(4, 1, 1), zero=1, context=2, context_attention="ring"), None, None,
+                                {"document_mask": True}),
     "data8-zero0": (dict(mesh=(8, 1, 1), zero=0), None, None),
     "data2-zero2-microbatches4": (dict(mesh=(2, 1, 1), zero=2, microbatches=4), None, None),
     "data8-zero3": (dict(mesh=(8, 1, 1), zero=3), None, None),
@@ -321,9 +329,9 @@ SLOW = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW))
 def test_parity_slow(name):
-    parallel, model_keys, train = SLOW[name]
+    parallel, model_keys, train, *data = SLOW[name]
     parallel = dict(parallel)
-    check_parity(parallel.pop("mesh"), model_keys, train, **parallel)
+    check_parity(parallel.pop("mesh"), model_keys, train, *data, **parallel)
 
 
 # ------------------------------------------------------------------ refusals
@@ -333,7 +341,6 @@ def test_parity_slow(name):
     ({"train": {"qk_clip": 0.0}}, "train.qk_clip = 0.0 must be positive"),
     ({"train": {"qk_clip": 5.0}, "mesh": {"stage": 2}}, "mesh.stage = 2"),
     ({"train": {"qk_clip": 5.0}, "parallel": {"data_mode": "naive"}}, "parallel.data_mode = naive"),
-    ({"train": {"qk_clip": 5.0}, "parallel": {"context": 2}}, "parallel.context = 2"),
     ({"train": {"qk_clip": 5.0}, "model": {"qk_norm": True}}, "model.qk_norm = true"),
 ])
 def test_refusals(keys, words):

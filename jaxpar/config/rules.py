@@ -301,9 +301,6 @@ def _validate_qk_clip(cfg: Config) -> None:
     require(par.data_mode != "naive", f"train.qk_clip = {tau} cannot be combined with parallel.data_mode = naive "
                                       "(its baseline step does not return the attention logits' maxima); set "
                                       "parallel.data_mode=ddp, or train.qk_clip=null.")
-    require(par.context == 1, f"train.qk_clip = {tau} cannot be combined with parallel.context = {par.context} "
-                              "(the context-parallel attention does not record the logits' maxima); set "
-                              "parallel.context=1, or train.qk_clip=null.")
     require(not m.qk_norm or m.mla, f"train.qk_clip = {tau} cannot act with model.qk_norm = true (the query and "
                                     "key norms undo any scaling of their projections); set model.qk_norm=false, "
                                     "or train.qk_clip=null.")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -70,46 +70,61 @@ def put(maxima_LxN: jax.Array) -> None:
     _STEP.get().append(maxima_LxN)
 
 
-def record(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, segments_BxT: jax.Array | None) -> None:
+def record(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, segments_BxT: jax.Array | None,
+           where: Callable[[], tuple] | None = None) -> None:
     """Inside `layer()`: append the per-head maximum logit [N] of causal attention of these
-    queries and keys (as the softmax takes them), within the documents `segments_BxT`."""
+    queries and keys (as the softmax takes them), within the documents `segments_BxT`; or, with
+    `where` (context parallelism), of the queries against the keys it returns: () -> (keys [B, S,
+    K, H], the queries' positions [T], the keys' positions [S], the queries' and the keys'
+    documents [B, T] and [B, S] or None), called only while recording."""
     rec = _LAYER.get()
-    if rec is not None:
+    if rec is None:
+        return
+    if where is None:
         rec.append(max_logits(q_BxTxNxH, k_BxSxKxH, segments_BxT))
+    else:
+        k, q_pos, k_pos, q_seg, k_seg = where()
+        rec.append(max_logits(q_BxTxNxH, k, q_seg, q_pos, k_pos, k_seg))
 
 
 QUERY_BLOCK = 256
 """`max_logits` computes the logits of at most this many queries of one batch row at a time."""
 
 
-def max_logits(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, segments_BxT: jax.Array | None = None) -> jax.Array:
+def max_logits(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, segments_BxT: jax.Array | None = None,
+               q_pos: jax.Array | None = None, k_pos: jax.Array | None = None,
+               k_segments_BxS: jax.Array | None = None) -> jax.Array:
     """[N] float32: over every batch row and every (query, key) pair the causal (and document)
     mask keeps, the largest q·k / sqrt(H) of each query head (GQA: head n reads key head n // G,
-    G = N / K, as every kernel groups them). No gradient; one batch row and one block of up to
+    G = N / K, as every kernel groups them). The queries sit at positions `q_pos` [T] and the keys
+    at `k_pos` [S] (default: the last T of 0..S-1, and 0..S-1), the keys' documents
+    `k_segments_BxS` (default the queries'). No gradient; one batch row and one block of up to
     `QUERY_BLOCK` queries at a time (`lax.map`): N·QUERY_BLOCK·S floats of transient memory."""
     q = jax.lax.stop_gradient(q_BxTxNxH).astype(jnp.float32)
     k = jax.lax.stop_gradient(k_BxSxKxH).astype(jnp.float32)
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     b = next(d for d in range(min(T, QUERY_BLOCK), 0, -1) if T % d == 0)  # queries per block
+    q_pos = jnp.arange(S - T, S) if q_pos is None else q_pos
+    k_pos = jnp.arange(S) if k_pos is None else k_pos
     seg = jnp.zeros((B, T), jnp.int32) if segments_BxT is None else segments_BxT
+    k_seg = seg if k_segments_BxS is None else k_segments_BxS
 
     def row(args):
-        q_TxNxH, k_SxKxH, seg_T = args
+        q_TxNxH, k_SxKxH, seg_T, seg_S = args
 
         def block(args):
             q_bxKxGxH, i = args
             s = jnp.einsum("tkgh,skh->kgts", q_bxKxGxH, k_SxKxH, precision=jax.lax.Precision.HIGHEST) / math.sqrt(H)
-            t = i * b + jnp.arange(b)  # these queries' positions; the keys' are 0..S-1 (S = T without a cache)
-            keep = jnp.arange(S)[None, :] <= t[:, None] + (S - T)
+            keep = k_pos[None, :] <= jax.lax.dynamic_slice_in_dim(q_pos, i * b, b)[:, None]
             if segments_BxT is not None:
-                keep = keep & (jax.lax.dynamic_slice_in_dim(seg_T, i * b, b)[:, None] == seg_T[None, :])
+                keep = keep & (jax.lax.dynamic_slice_in_dim(seg_T, i * b, b)[:, None] == seg_S[None, :])
             return jnp.max(jnp.where(keep, s, -jnp.inf), axis=(2, 3)).reshape(N)
 
         blocks = q_TxNxH.reshape(T // b, b, K, N // K, H)
         return jnp.max(jax.lax.map(block, (blocks, jnp.arange(T // b))), axis=0)
 
-    return jnp.max(jax.lax.map(row, (q, k, seg)), axis=0)
+    return jnp.max(jax.lax.map(row, (q, k, seg, k_seg)), axis=0)
 
 
 def factors(smax: jax.Array, tau: float) -> jax.Array:

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxpar.config import Config
 from jaxpar.parallel.gradients import DATA
-from jaxpar.model import tiled_attention as ta
+from jaxpar.model import qk_clip, tiled_attention as ta
 from jaxpar.model.layers import Sequence, document_positions, document_segments
 from jaxpar.model.mtp import cut, pad
 
@@ -163,7 +163,21 @@ def _tiles(L: int) -> tuple[int, int]:
     return b, L // b
 
 
+def _record(q, k, *, c, j, groups, L, segments, segments_all):
+    """train.qk_clip: this rank's queries' per-head largest logit against the whole sequence's
+    keys (an all-gather of K over the group, forward only, while recording: `jaxpar.model.qk_clip`)."""
+    table = jnp.asarray(positions(c, L))
+
+    def where():
+        keys = jax.lax.all_gather(jax.lax.stop_gradient(k), DATA, axis=1, tiled=True,
+                                  axis_index_groups=[list(g) for g in groups])
+        return keys, table[j], table.reshape(-1), segments, segments_all
+
+    qk_clip.record(q, None, segments, where)
+
+
 def _all_gather(q, k, v, cfg, *, c, j, groups, L, segments, segments_all, seg_whole):
+    _record(q, k, c=c, j=j, groups=groups, L=L, segments=segments, segments_all=segments_all)
     b, m = _tiles(L)
     K = k.shape[2]
     B, T, N, H = q.shape
@@ -214,6 +228,7 @@ _gathered_attention.defvjp(_gathered_attention_fwd, _gathered_attention_bwd)
 
 
 def _ring(q, k, v, cfg, *, c, j, groups, L, segments, segments_all, seg_whole):
+    _record(q, k, c=c, j=j, groups=groups, L=L, segments=segments, segments_all=segments_all)
     b, m = _tiles(L)
     K = k.shape[2]
     table = jnp.asarray(positions(c, L))
