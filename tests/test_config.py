@@ -203,6 +203,17 @@ def test_replace_changes_only_named_fields():
     assert cfg.train.steps == Config().train.steps, "replace must not mutate the original"
 
 
+def test_replace_takes_dotted_keys_as_set_does():
+    cfg = load_config()
+    new = cfg.replace(**{"mesh.data": 2, "train.steps": 3, "train.lr": 0.5}, model={"d_model": 64})
+    assert (new.mesh.data, new.train.steps, new.train.lr, new.model.d_model) == (2, 3, 0.5, 64)
+    with pytest.raises(ConfigError, match=r"unknown config key `train\.stepz`"):
+        cfg.replace(**{"train.stepz": 3})
+    # A dotted key at the top of a YAML file is told to nest, not "did you mean `mesh.data`?".
+    with pytest.raises(ConfigError, match=r"`mesh\.data` in .* is written dotted at the top level; nest it"):
+        from_dict({"mesh.data": 2})
+
+
 def test_replace_revalidates_types():
     cfg = load_config()
     with pytest.raises(ConfigError) as err:

@@ -469,8 +469,13 @@ class Config:
         return plain(dataclasses.asdict(self))
 
     def replace(self, **sections: Any) -> "Config":
-        """`cfg.replace(train={"steps": 3})`: a copy with some fields of some sections changed."""
-        return from_dict(_merge(self.to_dict(), sections))
+        """`cfg.replace(train={"steps": 3})`, or with `--set`'s dotted keys
+        `cfg.replace(**{"train.steps": 3})`: a copy with some fields of some sections changed."""
+        update: dict = {}
+        for key, value in sections.items():
+            section, dot, field = key.partition(".")
+            update = _merge(update, {section: {field: value}} if dot else {key: value})
+        return from_dict(_merge(self.to_dict(), update))
 
 
 def parse_moe_layers(text: str) -> tuple[int, int]:
@@ -514,6 +519,10 @@ def _unknown_key(key: str, valid: Sequence[str], where: str) -> ConfigError:
 def _check_key(section: str, key: str | None, where: str) -> None:
     """Raise the unknown-key ConfigError, blaming `where`, if `section` (and `section.key`) is not in the schema."""
     sections = _field_types(Config)
+    head, dot, rest = section.partition(".")
+    if section not in sections and dot and head in sections:  # `mesh.data: 8` at the top of a YAML file
+        raise ConfigError(f"config key `{section}` in {where} is written dotted at the top level; nest it under "
+                          f"its section (`{head}:` then `  {rest}: ...`), or pass it as --set {section}=...")
     if section not in sections:
         raise _unknown_key(section, list(sections), where)
     fields = _field_types(sections[section])
