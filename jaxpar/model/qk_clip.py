@@ -164,32 +164,29 @@ def clip_attention(cfg: ModelConfig, attn: dict[str, Any], gamma_LxN: jax.Array)
     return attn
 
 
-def clip(cfg: ModelConfig, params: dict[str, Any], smax_LxN: jax.Array, tau: float) -> dict[str, Any]:
+def clip(cfg: ModelConfig, params: dict[str, Any], smax_LxN: jax.Array, tau: float,
+         order: dict[str, np.ndarray]) -> dict[str, Any]:
     """`params` (the model's tree; a float32 master alike) with every head whose largest logit
-    `smax_LxN` [layers, N] (model layer order) exceeded `tau` rescaled (module docstring)."""
-    from jaxpar.model.transformer import block_kinds, layer_order  # (transformer imports this module)
-
+    `smax_LxN` [layers, N] (model layer order) exceeded `tau` rescaled (module docstring).
+    `order`: `transformer.layer_order`, each stack's layers (one stack "" = `blocks` itself)."""
     gamma = factors(smax_LxN, tau)
     blocks = params["blocks"]
-    order = layer_order(cfg)
-    if not cfg.mixed:
+    if list(order) == [""]:
         new_blocks = {**blocks, "attn": clip_attention(cfg, blocks["attn"], gamma)}
     else:
         new_blocks = dict(blocks)
-        for kind in block_kinds(cfg):
-            new_blocks[kind] = {**blocks[kind], "attn": clip_attention(cfg, blocks[kind]["attn"], gamma[order[kind]])}
+        for kind, layers in order.items():
+            new_blocks[kind] = {**blocks[kind], "attn": clip_attention(cfg, blocks[kind]["attn"], gamma[layers])}
     return {**params, "blocks": new_blocks}
 
 
-def stacked_maxima(cfg: ModelConfig, outs: dict[str, jax.Array]) -> jax.Array:
-    """[layers, N] in model layer order from `scan_layers`' per-stack outs (kind -> [n, N])."""
-    from jaxpar.model.transformer import block_kinds, layer_order
-
-    if not cfg.mixed:
+def stacked_maxima(outs: dict[str, jax.Array], order: dict[str, np.ndarray]) -> jax.Array:
+    """[layers, N] in model layer order from `scan_layers`' per-stack outs (kind -> [n, N]);
+    `order`: `transformer.layer_order`."""
+    if list(order) == [""]:
         return outs[""]
-    kinds = block_kinds(cfg)
-    order = np.concatenate([layer_order(cfg)[kind] for kind in kinds])
-    return jnp.concatenate([outs[kind] for kind in kinds])[np.argsort(order)]
+    layers = np.concatenate(list(order.values()))
+    return jnp.concatenate([outs[kind] for kind in order])[np.argsort(layers)]
 
 
 def metrics(smax_LxN: jax.Array) -> dict[str, jax.Array]:

@@ -226,7 +226,7 @@ def run_blocks(cfg: ModelConfig, blocks: nnx.Module, x_BxTxD: jax.Array, remat: 
     if qk_clip.active():  # (train.qk_clip: each body returns its layer's per-head maximum logit too)
         x_BxTxD, outs = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: bodies[kind](x, (p, tap, i)),
                                     layer_taps)
-        qk_clip.put(qk_clip.stacked_maxima(cfg, outs))
+        qk_clip.put(qk_clip.stacked_maxima(outs, layer_order(cfg)))
         return x_BxTxD
     x_BxTxD, _ = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: (bodies[kind](x, (p, tap, i)), None),
                              layer_taps)

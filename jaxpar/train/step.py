@@ -29,7 +29,7 @@ from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_m
 from jaxpar.model import moe, mtp, qk_clip
 from jaxpar.model.layers import document_segments, packed, sequence_layout
 from jaxpar.model.loss import cross_entropy, cross_entropy_sum  # noqa: F401 (the loss rule; cross_entropy re-exported)
-from jaxpar.model.transformer import REMAT_POLICIES, token_ids
+from jaxpar.model.transformer import REMAT_POLICIES, layer_order, token_ids
 from jaxpar.parallel import context, naive
 from jaxpar.parallel.gradients import make_loss_and_grads
 from jaxpar.parallel.microbatches import guard_non_finite
@@ -179,7 +179,8 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     opt_stored = _opt_state_shardings(opt_shapes, moment_shardings, replicated, "pinned_host") if offload else opt_on_device
     state_shardings = TrainState(replicated, param_shardings, opt_stored, replicated)
     master = cfg.train.master_weights != "none"
-    clipping = cfg.train.qk_clip is not None  # (stage 1, data_mode ddp, no context parallelism: the config rules)
+    clipping = cfg.train.qk_clip is not None  # (stage 1, data_mode ddp: the config rules)
+    order = layer_order(cfg.model)  # (train.qk_clip: each stack's layers)
     # Where 16-bit parameters become float32 for differentiation (README, "Master weights"). Where
     # gradients are all-reduced per layer as their parameter is used (ZeRO-0/1, one microbatch,
     # data > 1, no pipeline: `jaxpar.parallel.gradients`), the upcast is there too, one layer at a
@@ -248,7 +249,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         updates = jax.lax.with_sharding_constraint(updates, moment_shardings)
         # train.qk_clip (MuonClip): the heads whose largest logit exceeded tau rescaled, on the
         # updated parameters (the master, then cast, with master weights).
-        qk = (lambda p: qk_clip.clip(cfg.model, p, maxima, cfg.train.qk_clip)) if clipping else (lambda p: p)
+        qk = (lambda p: qk_clip.clip(cfg.model, p, maxima, cfg.train.qk_clip, order)) if clipping else (lambda p: p)
         if master:  # the updated master (a moment-layout shard), cast to the stored dtype
             # (MoE sigmoid_bias routers: the selection bias moves on the master, outside Adam.)
             opt_state = opt_state._replace(master=qk(moe.update_bias(cfg.model, opt_state.master, stats)))
