@@ -110,28 +110,34 @@ def direct_maxima(cfg, params, inputs, eos=None) -> np.ndarray:
     for n, x in enumerate(layer_inputs(cfg, params, inputs, eos)):
         blocks, i = (p64["blocks"], n) if not cfg.mixed else (
             (p64["blocks"]["dense"], 0) if n == 0 else (p64["blocks"]["moe"], n - 1))
-        a = jax.tree.map(lambda v: v[i], blocks["attn"])
-        h = _rms(x, blocks["attn_norm"]["scale"][i], cfg.norm_eps)
-        if cfg.mla:
-            dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-            q = np.einsum("btr,rnh->btnh", _rms(h @ a["wq_a"], a["q_norm"], cfg.norm_eps), a["wq_b"])
-            kv = h @ a["wkv_a"]
-            k_c = np.einsum("btr,rnh->btnh", _rms(kv[..., :r], a["kv_norm"], cfg.norm_eps), a["wkv_b"][..., :dn])
-            k_r = _rope(kv[..., r:], cfg.rope_theta, pos)
-            s = (np.einsum("btnh,bsnh->bnts", q[..., :dn], k_c)
-                 + np.einsum("btnh,bsh->bnts", _rope(q[..., dn:], cfg.rope_theta, pos), k_r)) / np.sqrt(q.shape[-1])
-        else:
-            q = _rope(np.einsum("btd,dnh->btnh", h, a["wq"]), cfg.rope_theta, pos)
-            k = _rope(np.einsum("btd,dkh->btkh", h, a["wk"]), cfg.rope_theta, pos)
-            k = np.repeat(k, cfg.n_heads // cfg.kv_heads, axis=2)  # head n reads key head n // G
-            s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
-        T = s.shape[-1]
-        keep = np.tril(np.ones((T, T), bool))[None, None]
-        if seg is not None:
-            keep = keep & (seg[:, :, None] == seg[:, None, :])[:, None]
-        s = np.where(keep, s, -np.inf)
-        out.append(s.max(axis=(0, 2, 3)))
+        out.append(attention_maxima(cfg, blocks, i, x, seg, pos))
     return np.stack(out)
+
+
+def attention_maxima(cfg, blocks, i, x, seg=None, pos=None) -> np.ndarray:
+    """[N]: the largest causal logit of each head of layer i of the float64 `blocks` (stacked) on
+    its input x [B, T, D] (within the documents `seg`, at positions `pos`)."""
+    a = jax.tree.map(lambda v: v[i], blocks["attn"])
+    h = _rms(x, blocks["attn_norm"]["scale"][i], cfg.norm_eps)
+    if cfg.mla:
+        dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        q = np.einsum("btr,rnh->btnh", _rms(h @ a["wq_a"], a["q_norm"], cfg.norm_eps), a["wq_b"])
+        kv = h @ a["wkv_a"]
+        k_c = np.einsum("btr,rnh->btnh", _rms(kv[..., :r], a["kv_norm"], cfg.norm_eps), a["wkv_b"][..., :dn])
+        k_r = _rope(kv[..., r:], cfg.rope_theta, pos)
+        s = (np.einsum("btnh,bsnh->bnts", q[..., :dn], k_c)
+             + np.einsum("btnh,bsh->bnts", _rope(q[..., dn:], cfg.rope_theta, pos), k_r)) / np.sqrt(q.shape[-1])
+    else:
+        q = _rope(np.einsum("btd,dnh->btnh", h, a["wq"]), cfg.rope_theta, pos)
+        k = _rope(np.einsum("btd,dkh->btkh", h, a["wk"]), cfg.rope_theta, pos)
+        k = np.repeat(k, cfg.n_heads // cfg.kv_heads, axis=2)  # head n reads key head n // G
+        s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    T = s.shape[-1]
+    keep = np.tril(np.ones((T, T), bool))[None, None]
+    if seg is not None:
+        keep = keep & (seg[:, :, None] == seg[:, None, :])[:, None]
+    s = np.where(keep, s, -np.inf)
+    return s.max(axis=(0, 2, 3))
 
 
 def clip_by_hand(cfg, params, smax, tau):
@@ -248,7 +254,7 @@ def test_mixed_moe_layer_order():
     """A mixed MoE model (a dense first layer, then MoE layers: two stacks, `MixedBlocks`): the
     step's per-layer maxima are each layer's, in layer order, and each stack's heads are clipped
     by its own layers' maxima (step 0, lr 0; MAX_RTOL, PARAM_RTOL as above)."""
-    keys = {"n_layers": 3, "n_experts": 4, "experts_per_token": 2, "expert_d_ff": 16, "moe_layers": "first_dense:1"}
+    keys = MOE
     base = tiny(model_keys=keys)
     tau = 10.5  # (the heads' maxima on batch 0 at init: 8.2..15.0, at least 1% from tau)
     cfg = tiny(model_keys=keys, tau=tau)
@@ -267,6 +273,47 @@ def test_mixed_moe_layer_order():
         want = clip_by_hand(cfg.model, {"blocks": got["blocks"][kind] | {"attn": params0["blocks"][kind]["attn"]}},
                             smax[rows], tau)
         assert_params_close(got["blocks"][kind]["attn"], want["blocks"]["attn"])
+
+
+@pytest.mark.slow
+def test_mtp_blocks_are_recorded_and_clipped():
+    """Multi-token prediction (`model.mtp_depth`): each depth's block reports its heads' largest
+    logit (`max_logit_mtp_1`, the last row of the step's maxima) and is clipped by it, like a
+    layer's (step 0, lr 0: the parameters are the initial ones clipped). Against float64 of the
+    block on its input, built from the model's own float32 functions (MAX_RTOL, PARAM_RTOL)."""
+    from jaxpar.model import mtp
+    from jaxpar.model.layers import linear, rms_norm
+
+    keys = {"mtp_depth": 1}
+    base = tiny(model_keys=keys)
+    program0 = build(base, make_mesh(base, jax.devices()[:1]))
+    key = jax.random.key(0)
+    params0 = jax.device_get(program0.init(key).params)
+    batch = np.asarray(batch_at(make_source(base), 0, 8, jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+    m, cfg_m = model.bind(base.model, params0), base.model
+    rows = mtp.pad(jnp.asarray(batch), 1)
+    split = lambda r, shift: mtp.cut(r, shift, 1)  # noqa: E731
+    h = m.final_norm(m.backbone(m.embed_tokens(split(rows, 0)[0])))
+    (ahead, _), = mtp.depth_rows(split, rows, 1, None)
+    e = m.embed_tokens(ahead)
+    p = params0["mtp"]
+    x = linear(jnp.concatenate([rms_norm(e, p["enorm"][0], cfg_m.norm_eps), rms_norm(h, p["hnorm"][0], cfg_m.norm_eps)],
+                               axis=-1), jnp.asarray(p["eh_proj"][0]))
+    mtp64 = jax.tree.map(lambda a: np.asarray(a, np.float64), p["blocks"])
+    smax_mtp = attention_maxima(cfg_m, mtp64, 0, np.asarray(x, np.float64))
+    smax = np.concatenate([direct_maxima(cfg_m, params0, batch[:, :-1]), smax_mtp[None]])
+    srt = np.sort(smax_mtp)
+    tau = float(srt[1] + srt[2]) / 2  # two of the block's four heads clip
+    assert np.min(np.abs(smax - tau) / tau) > 1e-3
+    cfg = tiny(model_keys=keys, tau=tau)
+    program = build(cfg, make_mesh(cfg, jax.devices()[:1]))
+    state, metrics = program.step(program.init(key), jax.device_put(batch, program.batch_sharding))
+    np.testing.assert_allclose(float(metrics["max_logit_mtp_1"]), smax_mtp.max(), rtol=MAX_RTOL)
+    np.testing.assert_allclose(float(metrics["max_logit"]), smax.max(), rtol=MAX_RTOL)
+    got = jax.device_get(state.params)
+    assert_params_close(got["blocks"]["attn"], clip_by_hand(cfg.model, params0, smax[:2], tau)["blocks"]["attn"])
+    want = clip_by_hand(cfg.model, {"blocks": p["blocks"]}, smax[2:], tau)["blocks"]["attn"]
+    assert_params_close(got["mtp"]["blocks"]["attn"], want)
 
 
 # ------------------------------------------------------------------ parity with one device
@@ -313,7 +360,27 @@ def test_parity_context_parallel_all_gather():
     check_parity((8, 1, 1), zero=1, context=2)
 
 
+def test_parity_pipeline_1f1b():
+    """Pipelined (2 stages, 1F1B): each stage's F reports its layers' maxima, the step takes the
+    max over microbatches, stages and data ranks (`pipeline.executor.layer_maxima`)."""
+    check_parity((2, 2, 1), zero=1, microbatches=2, schedule="1f1b")
+
+
+MOE = {"n_layers": 3, "n_experts": 4, "experts_per_token": 2, "expert_d_ff": 16, "moe_layers": "first_dense:1"}
+
 SLOW = {
+    # Pipelines: split I and W with tensor parallelism (each model rank's heads); interleaved
+    # chunks (stage s holds chunks s and s + p); uneven stages (layer slots, an inactive slot
+    # reports -inf); the MTP block on the last stage; a mixed MoE model's two stacks.
+    "zb_h1-tp2-sp": (dict(mesh=(2, 2, 2), zero=1, microbatches=2, schedule="zb_h1", sequence_parallel=True), None,
+                     None),
+    "interleaved": (dict(mesh=(2, 2, 1), zero=1, microbatches=2, schedule="interleaved_1f1b", virtual_stages=2),
+                    {"n_layers": 4}, None),
+    "uneven-stages": (dict(mesh=(2, 2, 1), zero=1, microbatches=2, schedule="1f1b", stage_layers=[2, 1]),
+                      {"n_layers": 3}, None),
+    "mtp-1f1b": (dict(mesh=(2, 2, 1), zero=1, microbatches=2, schedule="1f1b"), {"mtp_depth": 1}, None),
+    "mixed-moe-1f1b": (dict(mesh=(2, 2, 1), zero=1, microbatches=2, schedule="1f1b", stage_layers=[1, 2]), MOE,
+                       None),
     "context2-ring-documents": (dict(mesh=(4, 1, 1), zero=1, context=2, context_attention="ring"), None, None,
                                 {"document_mask": True}),
     "data8-zero0": (dict(mesh=(8, 1, 1), zero=0), None, None),
@@ -339,7 +406,6 @@ def test_parity_slow(name):
 
 @pytest.mark.parametrize("keys, words", [
     ({"train": {"qk_clip": 0.0}}, "train.qk_clip = 0.0 must be positive"),
-    ({"train": {"qk_clip": 5.0}, "mesh": {"stage": 2}}, "mesh.stage = 2"),
     ({"train": {"qk_clip": 5.0}, "parallel": {"data_mode": "naive"}}, "parallel.data_mode = naive"),
     ({"train": {"qk_clip": 5.0}, "model": {"qk_norm": True}}, "model.qk_norm = true"),
 ])

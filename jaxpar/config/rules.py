@@ -295,9 +295,6 @@ def _validate_qk_clip(cfg: Config) -> None:
     m, par, tau = cfg.model, cfg.parallel, cfg.train.qk_clip
     require(tau > 0, f"train.qk_clip = {tau} must be positive (the largest attention logit a head may keep); "
                      "set it to e.g. 100 (Kimi K2), or null to turn QK-clip off.")
-    require(cfg.mesh.stage == 1, f"train.qk_clip = {tau} cannot be combined with mesh.stage = {cfg.mesh.stage} "
-                                 "(the pipeline executor does not return the attention logits' maxima); set "
-                                 "mesh.stage=1, or train.qk_clip=null.")
     require(par.data_mode != "naive", f"train.qk_clip = {tau} cannot be combined with parallel.data_mode = naive "
                                       "(its baseline step does not return the attention logits' maxima); set "
                                       "parallel.data_mode=ddp, or train.qk_clip=null.")

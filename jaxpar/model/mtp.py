@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.model import qk_clip
 from jaxpar.model.blocks import block_class, stacked
 from jaxpar.model.layers import linear, param, rms_norm
 from jaxpar.sharding import vary, varying_axes
@@ -60,8 +61,19 @@ class MTP(nnx.Module):
         x = jnp.concatenate([rms_norm(e_BxTxD, self.enorm[k], self.eps), rms_norm(h_BxTxD, self.hnorm[k], self.eps)],
                             axis=-1)
         x = linear(x, self.eh_proj[k].astype(self.dtype))
-        run = jax.checkpoint(lambda x, st: nnx.merge(graphdef, st)(x), policy=remat_policy, prevent_cse=False)
-        return rms_norm(run(x, layer_state), self.norm[k], self.eps)
+        recording = qk_clip.active()
+
+        def block(x, st):
+            if not recording:
+                return nnx.merge(graphdef, st)(x), None
+            with qk_clip.layer() as top:  # (train.qk_clip) the block's per-head largest logit
+                y = nnx.merge(graphdef, st)(x)
+            return y, top[0]
+
+        y, top = jax.checkpoint(block, policy=remat_policy, prevent_cse=False)(x, layer_state)
+        if recording:
+            qk_clip.put(top[None])
+        return rms_norm(y, self.norm[k], self.eps)
 
 
 def pad(rows_BxW: jax.Array, depth: int) -> jax.Array:

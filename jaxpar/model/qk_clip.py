@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.config import ModelConfig
+from jaxpar.sharding import vary, varying_axes
 
 _STEP: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxpar_qk_clip_step", default=None)
 _LAYER: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxpar_qk_clip_layer", default=None)
@@ -65,9 +66,30 @@ def layer():
         _LAYER.reset(token)
 
 
+KEY = "max_logit"
+"""A block body's report of its layer's per-head maximum (`transformer.block_bodies`' aux)."""
+
+
 def put(maxima_LxN: jax.Array) -> None:
-    """`run_blocks`' stacked maxima, into the step's recording."""
+    """Maxima [layers, N] into the step's recording: `run_blocks`' stacked ones, then each
+    multi-token prediction depth's [1, N] (`jaxpar.model.mtp`); `gathered` joins them."""
     _STEP.get().append(maxima_LxN)
+
+
+def gathered(recorded: list) -> jax.Array:
+    """The step's recording as one [layers + mtp_depth, N]: the model's layers in order, then the
+    MTP depths' blocks (the order `clip` and `metrics` read)."""
+    return recorded[0] if len(recorded) == 1 else jnp.concatenate(recorded)
+
+
+def none(layer_params: dict, x: jax.Array) -> jax.Array:
+    """The maximum an inactive layer slot reports, given its parameters and input `x`: -inf for
+    each of its (local) query heads, read from its query projection's head dim (under tensor
+    parallelism a rank's share), varying over the manual axes a recorded one does (x's and the
+    projection's, inside a shard_map)."""
+    attn = layer_params["attn"]
+    wq = attn["wq_b"] if "wq_b" in attn else attn["wq"]
+    return vary(jnp.full((wq.shape[-2],), -jnp.inf, jnp.float32), (*varying_axes(x), *varying_axes(wq)))
 
 
 def record(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, segments_BxT: jax.Array | None,
@@ -167,17 +189,23 @@ def clip_attention(cfg: ModelConfig, attn: dict[str, Any], gamma_LxN: jax.Array)
 def clip(cfg: ModelConfig, params: dict[str, Any], smax_LxN: jax.Array, tau: float,
          order: dict[str, np.ndarray]) -> dict[str, Any]:
     """`params` (the model's tree; a float32 master alike) with every head whose largest logit
-    `smax_LxN` [layers, N] (model layer order) exceeded `tau` rescaled (module docstring).
-    `order`: `transformer.layer_order`, each stack's layers (one stack "" = `blocks` itself)."""
+    `smax_LxN` [layers + mtp_depth, N] (model layer order, then the MTP depths: `gathered`)
+    exceeded `tau` rescaled (module docstring). `order`: `transformer.layer_order`, each stack's
+    layers (one stack "" = `blocks` itself)."""
     gamma = factors(smax_LxN, tau)
+    L = cfg.n_layers
     blocks = params["blocks"]
     if list(order) == [""]:
-        new_blocks = {**blocks, "attn": clip_attention(cfg, blocks["attn"], gamma)}
+        new_blocks = {**blocks, "attn": clip_attention(cfg, blocks["attn"], gamma[:L])}
     else:
         new_blocks = dict(blocks)
         for kind, layers in order.items():
             new_blocks[kind] = {**blocks[kind], "attn": clip_attention(cfg, blocks[kind]["attn"], gamma[layers])}
-    return {**params, "blocks": new_blocks}
+    out = {**params, "blocks": new_blocks}
+    if cfg.mtp_depth:  # each depth's block (stacked on `mtp`) by its own row
+        mtp = params["mtp"]
+        out["mtp"] = {**mtp, "blocks": {**mtp["blocks"], "attn": clip_attention(cfg, mtp["blocks"]["attn"], gamma[L:])}}
+    return out
 
 
 def stacked_maxima(outs: dict[str, jax.Array], order: dict[str, np.ndarray]) -> jax.Array:
@@ -189,7 +217,10 @@ def stacked_maxima(outs: dict[str, jax.Array], order: dict[str, np.ndarray]) -> 
     return jnp.concatenate([outs[kind] for kind in order])[np.argsort(layers)]
 
 
-def metrics(smax_LxN: jax.Array) -> dict[str, jax.Array]:
-    """The logged maxima: `max_logit` over every head and layer, `max_logit_<l>` per layer."""
+def metrics(cfg: ModelConfig, smax_LxN: jax.Array) -> dict[str, jax.Array]:
+    """The logged maxima: `max_logit` over every head and layer (the MTP depths' included),
+    `max_logit_<l>` per layer and `max_logit_mtp_<k>` per MTP depth (k from 1, as `mtp_loss_<k>`)."""
     per_layer = jnp.max(smax_LxN, axis=1)
-    return {"max_logit": jnp.max(per_layer), **{f"max_logit_{i}": per_layer[i] for i in range(per_layer.shape[0])}}
+    L = cfg.n_layers
+    return {"max_logit": jnp.max(per_layer), **{f"max_logit_{i}": per_layer[i] for i in range(L)},
+            **{f"max_logit_mtp_{k + 1}": per_layer[L + k] for k in range(cfg.mtp_depth)}}

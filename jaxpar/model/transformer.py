@@ -223,13 +223,10 @@ def run_blocks(cfg: ModelConfig, blocks: nnx.Module, x_BxTxD: jax.Array, remat: 
     params, bodies = block_bodies(cfg, blocks, remat, active)
     layer_taps = {kind: None if taps is None else {k: v for k, v in taps.items() if k.startswith(stack_prefix(kind))}
                   for kind in params}
+    x_BxTxD, outs = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: bodies[kind](x, (p, tap, i)),
+                                layer_taps)
     if qk_clip.active():  # (train.qk_clip: each body returns its layer's per-head maximum logit too)
-        x_BxTxD, outs = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: bodies[kind](x, (p, tap, i)),
-                                    layer_taps)
-        qk_clip.put(qk_clip.stacked_maxima(outs, layer_order(cfg)))
-        return x_BxTxD
-    x_BxTxD, _ = scan_layers(cfg, params, x_BxTxD, lambda kind, p, tap, i, x: (bodies[kind](x, (p, tap, i)), None),
-                             layer_taps)
+        qk_clip.put(qk_clip.stacked_maxima({kind: out[qk_clip.KEY] for kind, out in outs.items()}, layer_order(cfg)))
     return x_BxTxD
 
 
@@ -241,9 +238,12 @@ def stack_prefix(kind: str) -> str:
 def block_bodies(cfg: ModelConfig, blocks: nnx.Module, remat: str, active: dict[str, jax.Array] | None = None
                  ) -> tuple[dict[str, Any], dict[str, Callable]]:
     """kind -> the stack's parameters (a pure dict, stacked [n, ...]) and kind -> its layer,
-    `body(x, (layer_params, tap, i)) -> x` under the remat policy: one layer's parameters (a pure
-    dict, as `use_params` hands them out), its split-backward taps (or None) and its index in the
-    stack. `run_blocks` scans them; the pipeline differentiates them one layer at a time."""
+    `body(x, (layer_params, tap, i)) -> (x, aux)` under the remat policy: one layer's parameters
+    (a pure dict, as `use_params` hands them out), its split-backward taps (or None) and its index
+    in the stack. `aux` holds what the layer reports beside its output: with the split backward's
+    `stash_inputs`, "inputs" (each tapped matmul's input, by path); under `qk_clip.recording()`,
+    `qk_clip.KEY` (the layer's per-head largest attention logit [N]; an inactive slot's -inf).
+    `run_blocks` scans them; the pipeline differentiates them one layer at a time."""
     split = active_split()
     names = _block_names(cfg)
     bodies, params = {}, {}
@@ -266,18 +266,25 @@ def block_bodies(cfg: ModelConfig, blocks: nnx.Module, remat: str, active: dict[
                                for k, v in jax.tree_util.tree_leaves_with_path(handed)}
                 split.layer_taps = tap
             layer = nnx.merge(graphdef, layer_state)
-            if split is not None and split.stash_inputs:  # (y, each tapped matmul's input), from inside the remat
+            stash_inputs = split is not None and split.stash_inputs
+            if stash_inputs:  # each tapped matmul's input, from inside the remat
                 if active is not None:
                     raise AssertionError("split backward: stash_inputs needs every layer slot active")
                 split.inputs = {}
-                return layer(x), dict(split.inputs)
-            if active is None and recording:  # (train.qk_clip) y and the layer's per-head maximum logit
-                with qk_clip.layer() as maxima:
+
+            def run(x):
+                if not recording:
+                    return layer(x), {}
+                with qk_clip.layer() as maxima:  # (train.qk_clip) the layer's per-head maximum logit
                     y = layer(x)
-                return y, maxima[0]
+                return y, {qk_clip.KEY: maxima[0]}
+
             if active is None:
-                return layer(x)
-            return jax.lax.cond(active[kind][i], layer, lambda x: x, x)
+                y, aux = run(x)
+            else:  # an inactive slot: x unchanged, no logit (-inf)
+                skip = {qk_clip.KEY: qk_clip.none(handed, x)} if recording else {}
+                y, aux = jax.lax.cond(active[kind][i], run, lambda x: (x, skip), x)
+            return y, {**aux, "inputs": dict(split.inputs)} if stash_inputs else aux
 
         bodies[kind] = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     return params, bodies

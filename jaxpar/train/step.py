@@ -58,7 +58,7 @@ def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: 
     this rank's chunk windows (`jaxpar.parallel.context.windows`, inside the step's shard_map over
     `data` of size `data`). The objective adds the MTP depths' losses (`jaxpar.model.mtp.objective`).
     With `max_logits` (train.qk_clip), (the loss, each layer's per-head largest attention logit
-    [layers, N]: `jaxpar.model.qk_clip`)."""
+    [layers + mtp_depth, N]: `jaxpar.model.qk_clip.gathered`)."""
     split = context.row_split(cfg)
     inputs, targets = split(batch_BxT1, 0)
     if cfg.parallel.context > 1:
@@ -71,7 +71,7 @@ def loss_fn(cfg: Config, params: model.Params, batch_BxT1: jax.Array, n_tokens: 
         loss = mtp.objective(m, y, targets, mtp.depth_rows(split, batch_BxT1, cfg.model.mtp_depth, eos),
                              lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size),
                              targets.size if n_tokens is None else n_tokens, REMAT_POLICIES[remat])
-    return (loss, maxima[0]) if max_logits else loss
+    return (loss, qk_clip.gathered(maxima)) if max_logits else loss
 
 
 def main_loss(cfg: Config, loss: jax.Array, grads: model.Params) -> jax.Array:
@@ -276,7 +276,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         if report is not None:  # `loss` is the main loss; the objective adds mtp_loss_weight x mtp_loss
             metrics.update(mtp.metrics(cfg.model, report))
         if clipping:  # max_logit, and max_logit_<l> per layer
-            metrics.update(qk_clip.metrics(maxima))
+            metrics.update(qk_clip.metrics(cfg.model, maxima))
         return TrainState(next_step, params, opt_state, skipped), metrics
 
     return _program(cfg, mesh, layout, optimizer, batch_sharding, state_shardings, step, grads_at, grad_shardings)

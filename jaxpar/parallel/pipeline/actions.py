@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxpar import model
 from jaxpar.model.layers import document_segments, packed, sequence_layout, split_backward, weight_gradient
-from jaxpar.model import mtp
+from jaxpar.model import mtp, qk_clip
 from jaxpar.model.transformer import REMAT_POLICIES, block_bodies, scan_layers, stack, token_ids
 from jaxpar.parallel import context, microbatches
 from jaxpar.parallel.gradients import _seed, mark_for_use
@@ -176,7 +176,9 @@ def forward(plan, st, x_in, mb, k, stash, slot, g_shared, rec=None):
     first chunk the embedding, on the last the loss and its backward through the head (the chunk
     output's cotangent, stashed too, and the head's gradients, added to the float32 `g_shared`
     inside the head's `cond`). With `rec` (and `stash` None): the plan's trace, which records the
-    residuals' structure and types into `rec`. Returns (y, stash, g_shared, loss)."""
+    residuals' structure and types into `rec`. Returns (y, stash, g_shared, loss, maxima): under
+    train.qk_clip each layer's per-head largest logit (kind -> [layers of the chunk's stack, N],
+    "mtp" -> [depths, N] on the last chunk, -inf elsewhere), else {}."""
     s = plan.setup
     tokens, targets, depths = microbatch(s, st, mb)
     # The microbatch's layout (packed documents, a context-parallel shard), read by its embedding
@@ -209,49 +211,62 @@ def _forward(plan, st, x_in, tokens, targets, depths, k, stash, slot, g_shared, 
 
         def f(rest, x, tap):
             handed = mark_for_use(s.reduction, plan.unflat_kind(kind, {**fixed, **rest}), full_l, plan.layer_dims[kind])
-            # (With `stash_inputs` the body returns the tapped matmuls' inputs beside y: their
-            # pullbacks do not keep them.)
-            out = body[kind](x, (handed, tap, i))
-            return out if plan.stash_inputs else (out, {})
+            # (The body reports beside y, `block_bodies`: with `stash_inputs` the tapped matmuls'
+            # inputs, which their pullbacks do not keep; under train.qk_clip its largest logits.)
+            return body[kind](x, (handed, tap, i))
 
-        y, pull, inputs = jax.vjp(f, {p_: w for p_, w in diff.items() if p_ not in fixed}, x, tap, has_aux=True)
+        y, pull, aux = jax.vjp(f, {p_: w for p_, w in diff.items() if p_ not in fixed}, x, tap, has_aux=True)
         saved = take_residuals(plan, rec, kind, pull, param_leaves(full_l, diff_l))
         if plan.stash_inputs:
-            saved = (*saved, *take_inputs(plan, rec, kind, saved, inputs))
+            saved = (*saved, *take_inputs(plan, rec, kind, saved, aux["inputs"]))
+        top = aux.get(qk_clip.KEY)  # (train.qk_clip) this layer's per-head largest logit [N]
         if stash_layers is None:
             rec.layer_avals[kind] = [jax.typeof(r) for r in saved]
-            return (y, None), None
+            return (y, None), top
         return (y, {**stash_layers, kind: tuple(jax.lax.dynamic_update_slice(
             b, vary(r, varying_axes(b)).reshape(1, 1, -1).astype(b.dtype), (slot, i, 0))
-            for b, r in zip(stash_layers[kind], saved))}), None
+            for b, r in zip(stash_layers[kind], saved))}), top
 
     # (Under a split table each weight matmul takes its tap from the layer's `linear`: the bodies
     # are built, and traced, inside the split context.)
     with split_backward({}, plan.stash_inputs) if split else contextlib.nullcontext():
-        body = bodies(plan, st, k)
-        (y, layers), _ = scan_layers(s.chunk_cfg, kind_stacks(plan, st, k),
-                                     (x, None if stash is None else stash["layers"]), layer,
-                                     kind_taps(plan) if split else None)
+        with qk_clip.recording(s.clipping):
+            body = bodies(plan, st, k)
+        (y, layers), tops = scan_layers(s.chunk_cfg, kind_stacks(plan, st, k),
+                                        (x, None if stash is None else stash["layers"]), layer,
+                                        kind_taps(plan) if split else None)
 
     # (The head's gradients are added inside its `cond`: the other chunks' F fills no
-    # vocabulary-sized zeros. Multi-token prediction's modules run here too, on the last stage.)
+    # vocabulary-sized zeros. Multi-token prediction's modules run here too, on the last stage,
+    # and report their blocks' largest logits under train.qk_clip.)
+    def objective(sh, y):
+        with qk_clip.recording(s.clipping and s.cfg.model.mtp_depth > 0) as recorded:
+            loss = mtp.objective(model.bind(s.chunk_cfg, handed_shared(plan, st, sh)), y, targets, depths, s.loss_sum,
+                                 s.n_tokens, REMAT_POLICIES[s.cfg.parallel.remat])
+        return loss, (qk_clip.gathered(recorded) if recorded else None)
+
     def head(g):
-        loss, pull = jax.vjp(lambda sh, y: mtp.objective(
-            model.bind(s.chunk_cfg, handed_shared(plan, st, sh)), y, targets, depths, s.loss_sum, s.n_tokens,
-            REMAT_POLICIES[s.cfg.parallel.remat]), sh, y)
+        loss, pull, top = jax.vjp(objective, sh, y, has_aux=True)
         dsh, dy = pull(jnp.ones_like(loss))
-        return loss, microbatches.add_f32(g, dsh), dy
+        return loss, microbatches.add_f32(g, dsh), dy, top
 
     def no_head(g):
-        return zeros(plan, (), jnp.float32, (*s.data_axes, STAGE)), g, zeros_like_varying(y)
+        top = None
+        if s.clipping and s.cfg.model.mtp_depth:  # (-inf: no logit of the MTP blocks on this chunk)
+            top = jnp.tile(qk_clip.none(st.shared["mtp"]["blocks"], y)[None], (s.cfg.model.mtp_depth, 1))
+        return zeros(plan, (), jnp.float32, (*s.data_axes, STAGE)), g, zeros_like_varying(y), top
 
-    loss, g_shared, dy = jax.lax.cond(last, head, no_head, g_shared)
+    loss, g_shared, dy, mtp_top = jax.lax.cond(last, head, no_head, g_shared)
+    maxima = {}
+    if s.clipping:  # kind -> [layers of the chunk's stack, N]; "mtp" -> [depths, N]
+        maxima = {**tops, **({"mtp": mtp_top} if mtp_top is not None else {})}
     end = (*embed_saved, dy)
     if stash is None:
         rec.end_avals = [jax.typeof(r) for r in end]
-        return y, None, g_shared, loss
+        rec.maxima = {key: jax.typeof(a) for key, a in maxima.items()}
+        return y, None, g_shared, loss, maxima
     end = tuple(set_row(b, vary(r, varying_axes(b)).reshape(-1), slot) for b, r in zip(stash["ends"], end))
-    return y, {"ends": end, "layers": layers}, g_shared, loss
+    return y, {"ends": end, "layers": layers}, g_shared, loss, maxima
 
 
 # -- B or I -------------------------------------------------------------------------------------

@@ -37,12 +37,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config
 from jaxpar.parallel.gradients import _gather, hand_out, manual_region
 from jaxpar.parallel.pipeline.plan import make_plan, stage_inputs
-from jaxpar.parallel.pipeline.setup import DATA, STAGE, Setup, make_setup
+from jaxpar.model.transformer import layer_order
+from jaxpar.parallel.pipeline.setup import DATA, MODEL, STAGE, Setup, make_setup
 from jaxpar.parallel.pipeline.stash import by_kind, from_slots, gather_stage, reduce_stage, reorder, to_slots
 from jaxpar.parallel.pipeline.table import Table
 from jaxpar.parallel.pipeline.tick import initial_carry, tick
@@ -70,7 +72,10 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
 
     batch_spec = P(DATA) if dp else P()
     in_specs, out_specs = layout.manual_specs("params", manual), layout.manual_specs("grads", manual)
-    run = jax.shard_map(local, mesh=mesh, in_specs=(in_specs, batch_spec), out_specs=(P(), out_specs),
+    # (train.qk_clip: the loss comes with the maxima [layers + mtp_depth, N], each model rank's own
+    # heads in rank order, as `jaxpar.parallel.gradients.make_loss_and_grads` returns them.)
+    loss_spec = (P(), P(None, MODEL) if MODEL in manual else P()) if setup.clipping else P()
+    run = jax.shard_map(local, mesh=mesh, in_specs=(in_specs, batch_spec), out_specs=(loss_spec, out_specs),
                         axis_names=manual)
     if v == 1 or setup.slots.gather:  # (the slots are in pipeline order already)
         return run
@@ -125,4 +130,25 @@ def stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
                                 done.g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k],
                                 layout.experts[k], is_leaf=lambda x: x is None or isinstance(x, int))
                 for k in done.g_shared}
-    return jax.lax.psum(done.loss, (*setup.data_axes, STAGE)), {**g_shared, "blocks": g_blocks}
+    loss = jax.lax.psum(done.loss, (*setup.data_axes, STAGE))
+    if setup.clipping:
+        loss = (loss, jax.lax.pmax(layer_maxima(setup, done.maxima, stage), (*setup.data_axes, STAGE)))
+    return loss, {**g_shared, "blocks": g_blocks}
+
+
+def layer_maxima(setup: Setup, maxima: dict, stage: jax.Array) -> jax.Array:
+    """train.qk_clip: this stage's largest logits (the tick loop's `Carry.maxima`: per chunk and
+    layer slot, and the MTP blocks') placed at their model layers, [layers + mtp_depth, N], -inf
+    for the layers other stages hold (the step takes the max over `stage` and `data`)."""
+    m, slots = setup.cfg.model, setup.slots
+    L = m.n_layers
+    order = layer_order(m)
+    n = next(iter(maxima.values())).shape[-1]
+    top = jnp.full((L + m.mtp_depth, n), -jnp.inf, jnp.float32)
+    for kind, width in slots.width.items():
+        # The model layer of each (stage, local chunk, slot); L (out of range: dropped) where inactive.
+        where = np.where(slots.active[kind], order[kind][slots.slots[kind].reshape(slots.p, slots.v, width)], L)
+        top = top.at[jnp.asarray(where)[stage].reshape(-1)].max(maxima[kind].reshape(-1, n), mode="drop")
+    if m.mtp_depth:
+        top = top.at[L:].max(maxima["mtp"])
+    return top

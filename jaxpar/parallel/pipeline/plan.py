@@ -103,6 +103,7 @@ class StagePlan:
     end_avals: tuple = ()                           # the embedding's residuals' and the head cotangent's types
     packing: MappingProxyType = _from_traces()      # (path, 0 | 1) -> (kind, leaf, offset, shape) in the stash slot
     wstash_items: MappingProxyType = _from_traces()  # (path, 0 | 1) -> (shape, dtype, axes): the wstash's
+    maxima: MappingProxyType = _from_traces()       # train.qk_clip: kind | "mtp" -> the type of F's report
 
     def flat(self, tree) -> dict:
         return dict(zip(self.paths, jax.tree.leaves(tree)))
@@ -126,6 +127,7 @@ class Recording:
     x_source: dict = dataclasses.field(default_factory=dict)
     layer_avals: dict = dataclasses.field(default_factory=dict)
     end_avals: tuple = ()
+    maxima: dict = dataclasses.field(default_factory=dict)
 
 
 def _layout(setup: Setup, st: Stage) -> StagePlan:
@@ -217,6 +219,6 @@ def make_plan(setup: Setup, st: Stage, rows: dict) -> StagePlan:
     plan = dataclasses.replace(plan, residuals=MappingProxyType(rec.residuals),
                                x_source=MappingProxyType(rec.x_source),
                                layer_avals=MappingProxyType({k: tuple(a) for k, a in rec.layer_avals.items()}),
-                               end_avals=tuple(rec.end_avals))
+                               end_avals=tuple(rec.end_avals), maxima=MappingProxyType(rec.maxima))
     packing, wstash_items = _packing(plan)
     return dataclasses.replace(plan, packing=MappingProxyType(packing), wstash_items=MappingProxyType(wstash_items))

@@ -57,6 +57,11 @@ class Setup:
         return self.reduction.zero
 
     @property
+    def clipping(self) -> bool:
+        """train.qk_clip: F reports each layer's per-head largest logit, the step returns their maxima."""
+        return self.cfg.train.qk_clip is not None
+
+    @property
     def gather(self) -> str | None:
         return self.reduction.gather
 

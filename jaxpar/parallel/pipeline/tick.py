@@ -29,6 +29,8 @@ class Carry(NamedTuple):
     g_blocks: dict       # block leaf path -> float32 [v, layers per chunk, ...]: unreduced gradients
     g_shared: dict       # float32 gradients of the embedding, final norm and head (end stages' only)
     loss: jax.Array      # the summed loss of the microbatches this stage finished
+    maxima: dict         # train.qk_clip: kind -> float32 [v, layers per chunk, N], "mtp" -> [depths, N]:
+                         # the largest logit per head this stage's F saw (-inf: none yet); else {}
 
 
 class Row(NamedTuple):
@@ -63,6 +65,19 @@ def read_row(row: dict, stage: jax.Array) -> Row:
                w_wstash=r["w_wstash"], f_recv=r["f_recv"], b_recv=r["b_recv"])
 
 
+def _maxima_axes(plan: StagePlan, key: str) -> tuple:
+    """The manual axes F's report of `key` varies over in the carry (its own, `data` and `stage`)."""
+    return tuple(sorted({*aval_varying_axes(plan.maxima[key]), *plan.setup.data_axes, STAGE}))
+
+
+def no_maxima(plan: StagePlan, chunks: bool = False) -> dict:
+    """-inf for every report of F (train.qk_clip), per chunk with `chunks` (the carry's), else one
+    chunk's (an F that did not run)."""
+    v = plan.setup.v
+    return {key: actions.zeros(plan, ((v,) if chunks and key != "mtp" else ()) + a.shape, jnp.float32,
+                               _maxima_axes(plan, key)) - jnp.inf for key, a in plan.maxima.items()}
+
+
 def initial_carry(plan: StagePlan, st: Stage) -> Carry:
     """The loop's first carry: empty buffers, stash and wstash of the plan's shapes, zero float32
     accumulators. A layer's stash leaf is stored [slots, layers of its stack, size], the
@@ -82,7 +97,7 @@ def initial_carry(plan: StagePlan, st: Stage) -> Carry:
     return Carry(actions.zeros(plan, (table.fwd_slots, *plan.act_shape)),
                  actions.zeros(plan, (table.bwd_slots, *plan.act_shape)),
                  stash, wstash, g_blocks, microbatches.f32_zeros(actions.diff_shared(plan, st)),
-                 actions.zeros(plan, (), jnp.float32, (*s.data_axes, STAGE)))
+                 actions.zeros(plan, (), jnp.float32, (*s.data_axes, STAGE)), no_maxima(plan, chunks=True))
 
 
 def idle(plan: StagePlan):
@@ -125,11 +140,19 @@ def run_f(plan, st, r: Row, fwd_buf, dep, stash, g_shared):
     """F, inside its cond: its input read from its receive slot, after B's and W's results (`dep`:
     its cond runs after theirs), its residuals written into its stash slot."""
     x_f = dep(get_row(fwd_buf, r.f_in))
-    return actions.forward(plan, st, x_f, r.f_mb, r.f_chunk, stash, r.f_stash, g_shared)
+    y, stash, g_shared, loss, maxima = actions.forward(plan, st, x_f, r.f_mb, r.f_chunk, stash, r.f_stash, g_shared)
+    return y, stash, g_shared, loss, {key: vary(a, _maxima_axes(plan, key)) for key, a in maxima.items()}
 
 
 def no_f(plan, stash, g_shared):
-    return idle(plan), stash, g_shared, actions.zeros(plan, (), jnp.float32, (*plan.setup.data_axes, STAGE))
+    return (idle(plan), stash, g_shared, actions.zeros(plan, (), jnp.float32, (*plan.setup.data_axes, STAGE)),
+            no_maxima(plan))
+
+
+def add_maxima(acc: dict, maxima: dict, k: jax.Array) -> dict:
+    """The carry's maxima with F's of chunk k taken in (a max; the MTP blocks' have no chunk)."""
+    return {key: jnp.maximum(a, maxima[key]) if key == "mtp" else set_row(a, jnp.maximum(get_row(a, k), maxima[key]), k)
+            for key, a in acc.items()}
 
 
 def hop(plan, r: Row, y, dx, fwd_buf, bwd_buf):
@@ -151,7 +174,7 @@ def tick(plan: StagePlan, st: Stage, carry: Carry, row: dict):
     that its residuals go into its stash slot inside its own cond, DESIGN.md §5.3), one hop each
     way, and the arrivals into their buffer slots. The `lax.scan` body over the table's rows."""
     taps = plan.taps
-    fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc = carry
+    fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc, maxima_acc = carry
     r = read_row(row, st.index)
     # Each action reads its input row (F's activation, B's or I's cotangent) inside its own cond,
     # so an idle tick copies none; it sends `idle`, which no receiver writes. The gradients
@@ -190,8 +213,9 @@ def tick(plan: StagePlan, st: Stage, carry: Carry, row: dict):
     # the one F fills in the same tick). (Only the first chunk's B, the embedding, and the last
     # chunk's F, the head, add to the shared leaves' vocabulary-sized float32 accumulators,
     # inside their own conds.)
-    y, stash, g_shared, loss = jax.lax.cond(
+    y, stash, g_shared, loss, maxima = jax.lax.cond(
         r.f_valid > 0, lambda stash, g: run_f(plan, st, r, fwd_buf, dep, stash, g),
         lambda stash, g: no_f(plan, stash, g), stash, g_shared)
     fwd_buf, bwd_buf = hop(plan, r, y, dx, fwd_buf, bwd_buf)
-    return Carry(fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss), None
+    return Carry(fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss,
+                 add_maxima(maxima_acc, maxima, r.f_chunk)), None
