@@ -260,18 +260,20 @@ def prepare_corpus(data: str) -> dict:
             "prepare": f"python -m jaxpar.data prepare --input <copies as .txt> --out {data} --val-fraction 0.05"}
 
 
-def sweep_run(opt: str, lr: float, args) -> dict:
+def sweep_run(opt: str, lr: float, args, extra: tuple = (), name: str | None = None) -> dict:
+    """One run of `CURVE_CONFIG` with optimizer `opt` at `lr` (and the `--set`s `extra`), in
+    `args.runs`/`name` (default `<opt>_lr<lr>`). benchmarks/fp8.py runs it too."""
     from jaxpar.config import load_config
     from jaxpar.train.loop import train
 
-    run_dir = os.path.join(args.runs, f"{opt}_lr{lr:g}")
+    run_dir = os.path.join(args.runs, name or f"{opt}_lr{lr:g}")
     shutil.rmtree(run_dir, ignore_errors=True)
     steps = args.sweep_steps
     sets = [f"runtime.cpu_devices={args.devices}", f"data.source={args.data}", "model.vocab_size=256",
             "parallel.zero=1", f"train.optimizer={opt}", f"train.lr={lr}", f"train.steps={steps}",
             f"train.warmup_steps={max(1, min(20, steps // 10))}", f"train.log_every={max(1, min(10, steps // 10))}",
             f"train.eval_every={max(1, steps // 4)}", f"train.eval_batches={args.eval_batches}",
-            f"train.run_dir={run_dir}", "train.checkpoint_every=0"]
+            f"train.run_dir={run_dir}", "train.checkpoint_every=0", *extra]
     cfg = load_config(str(CURVE_CONFIG), sets)
     t = time.perf_counter()
     history = train(cfg)

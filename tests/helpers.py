@@ -88,7 +88,8 @@ def run_steps(cfg: Config, devices=None) -> dict:
         mtp.append([float(metrics[k]) for k in sorted(metrics) if k.startswith("mtp_")])
         if "max_logit" in metrics:  # train.qk_clip: the largest logit, then each layer's in order
             maxima.append([float(metrics["max_logit"])] + [float(metrics[f"max_logit_{n}"])
-                                                           for n in range(cfg.model.n_layers)])
+                                                           for n in range(cfg.model.n_layers)]
+                          + [float(metrics[f"max_logit_mtp_{k}"]) for k in range(1, cfg.model.mtp_depth + 1)])
         if grads is None:
             grads = _first_gradient(cfg, state.opt_state, norms[0])
     return {"losses": np.array(losses), "grad_norms": np.array(norms), "grads": grads, "init": init,

@@ -284,6 +284,12 @@ def validate(cfg: Config) -> None:
 
     if tr.qk_clip is not None:
         _validate_qk_clip(cfg)
+    if cfg.model.fp8:
+        require(cfg.mesh.model <= cfg.model.kv_heads,
+                f"model.fp8 = true cannot run mesh.model = {cfg.mesh.model} over model.n_kv_heads = "
+                       f"{cfg.model.kv_heads} (each replicated key and value head's gradient is a sum of the "
+                       "ranks' parts, which FP8 would quantize apart, unlike one device); set mesh.model to at most "
+                       "n_kv_heads, or model.fp8=false.")
 
     require(par.virtual_stages == 1 or par.schedule == "interleaved_1f1b",
             f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = interleaved_1f1b "

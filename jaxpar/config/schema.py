@@ -51,6 +51,11 @@ class ModelConfig:
     qkv_bias: bool = False
     """Biases on the query, key and value projections (llama architecture; Qwen 2 / 2.5), split
     over `model` with their heads. gpt2 always has its biases."""
+    fp8: bool = False
+    """FP8 training (docs/fp8.md): every weight matmul of a block's attention, MLP and experts with
+    its input and weight in float8_e4m3fn and its output's gradient in float8_e5m2, one scale per
+    tensor from its amax over the whole tensor (current scaling); the embedding, output head,
+    router, norms and attention's softmax stay in `dtype`."""
     qk_norm: bool = False
     """RMSNorm over head_dim of each query and key head before RoPE (llama architecture; Qwen 3),
     one scale of head_dim shared by the heads."""

@@ -8,6 +8,7 @@ import jax
 from flax import nnx
 
 from jaxpar.config import ConfigError, ModelConfig
+from jaxpar.model import fp8
 from jaxpar.model.layers import MLP, attention, norm
 from jaxpar.model.moe import MoE
 from jaxpar.sharding import enter_tp
@@ -24,8 +25,13 @@ class Block(nnx.Module):
             self.mlp = MoE(cfg, rngs=rngs)
         else:
             self.mlp = MLP(cfg, rngs=rngs)
+        self.fp8 = cfg.fp8
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        with fp8.matmuls(self.fp8):  # model.fp8: the block's weight matmuls in FP8 (`jaxpar.model.fp8`)
+            return self._call(x_BxTxD)
+
+    def _call(self, x_BxTxD: jax.Array) -> jax.Array:
         # The residual stream and the norms live on `sp_seq` (split over `model` by sequence
         # parallelism); each sub-layer takes the whole sequence at its input (`enter_tp`) and
         # reduces its row-parallel output back onto the residual (`exit_tp`): per sub-layer one

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.model import qk_clip, tiled_attention
+from jaxpar.model import fp8, qk_clip, tiled_attention
 from jaxpar.model.lse_attention import lse_attention, working_set_attention
 from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, exit_tp, local_kv_heads, tensor_parallel, varying_axes, vary
 
@@ -63,10 +63,12 @@ def linear(x: jax.Array, w: jax.Array, k: int = 1) -> jax.Array:
     (and `offload` finds it by that name on every backend).
     """
     split = _SPLIT.get()
+    if fp8.active() and split is None:  # model.fp8: e4m3 operands, an e5m2 output cotangent (`jaxpar.model.fp8`)
+        axes = (*varying_axes(x), *varying_axes(w))
+        return checkpoint_name(fp8.apply(functools.partial(_einsum, k=k), vary(x, axes), vary(w, axes)), DOT_TAG)
     if split is None and (not CPU_WEIGHT_GRADIENT_LAYOUT or jax.default_backend() != "cpu" or x.dtype != jnp.float32
                           or tensor_parallel()):
-        return checkpoint_name(jnp.einsum(x, list(range(x.ndim)), w, [*range(x.ndim - k, x.ndim),
-                                                                    *range(x.ndim, x.ndim + w.ndim - k)]), DOT_TAG)
+        return checkpoint_name(_einsum(x, w, k), DOT_TAG)
     # The custom backward returns each cotangent with its input's manual-axis type: make both
     # inputs vary over the same axes first (the pcast's own transpose then reduces, as autodiff of
     # the einsum would have).
@@ -78,15 +80,20 @@ def linear(x: jax.Array, w: jax.Array, k: int = 1) -> jax.Array:
     if path is None:
         raise AssertionError("split backward: a weight matmul's weight is not one of the layer's parameters "
                              "as handed out (a copy was made between `use_params` and `linear`)")
+    out = lambda y: y  # noqa: E731
+    if fp8.active():  # model.fp8 under the split backward: the same FP8 product, as its parts
+        # (`fp8.fake_quantize`): I's input gradient and W's weight gradient then take the e4m3
+        # operands and the e5m2 cotangent, as `fp8.apply`'s backward does.
+        x, w, out = fp8.fake_quantize(x), fp8.fake_quantize(w), fp8.cotangent_in_e5m2
     x2, w2 = _flat(x, w, k)
     if split.taps is None:  # recording the taps' shapes
         split.shapes[path] = (x2.shape, x2.dtype, (x2.shape[0], w2.shape[1]), x2.dtype, tuple(sorted(set(axes))),
                               w.shape)
-        return checkpoint_name(_linear(x, w, k), DOT_TAG)
+        return checkpoint_name(out(_linear(x, w, k)), DOT_TAG)
     tap = split.layer_taps[path]
     if split.stash_inputs:  # the caller stashes x for W itself: the tap carries g alone
         split.inputs[path] = x
-    return checkpoint_name(_linear_tapped(x, w, tap, k, varying_axes(tap[1]), split.stash_inputs), DOT_TAG)
+    return checkpoint_name(out(_linear_tapped(x, w, tap, k, varying_axes(tap[1]), split.stash_inputs)), DOT_TAG)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,6 +167,12 @@ _linear_tapped.defvjp(_linear_tapped_fwd, _linear_tapped_bwd)
 def _flat(x: jax.Array, w: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     c = math.prod(w.shape[:k])
     return x.reshape(-1, c), w.reshape(c, -1)
+
+
+def _einsum(x, w, k):
+    """x's last k dims contracted with w's first k: the plain product, one `dot_general` (not
+    `jnp.einsum`, which lowers as a call: FP8's converts and scales must reach the dot itself)."""
+    return jax.lax.dot_general(x, w, ((tuple(range(x.ndim - k, x.ndim)), tuple(range(k))), ((), ())))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -36,6 +36,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
+from jaxpar.model import fp8
 from jaxpar.model.layers import linear, param, sequence, swiglu
 from jaxpar.sharding import (DOT_TAG, constrain, enter_tp, exchange_experts, exit_tp, gather_sequence_shards,
                              sequence_shard_index, sequence_shards, tensor_parallel_size, varying_axes, vary,
@@ -304,9 +305,16 @@ def grouped(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Arr
     TPU); on CPU jax lowers it to one dense dot of every row with every expert (E times the work),
     so there it runs blockwise (`_blocked`). Named `DOT_TAG`, so that remat `dots` saves it as it
     saves a dense matmul's output (its policy does not see either form as a weight matmul)."""
+    if fp8.active():  # model.fp8: e4m3 rows and experts (one scale each), an e5m2 output cotangent
+        axes = (*varying_axes(x_MxC), *varying_axes(w_ExCxO))
+        return checkpoint_name(fp8.apply(_grouped, vary(x_MxC, axes), vary(w_ExCxO, axes), sizes_E), DOT_TAG)
+    return checkpoint_name(_grouped(x_MxC, w_ExCxO, sizes_E), DOT_TAG)
+
+
+def _grouped(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Array:
     if jax.default_backend() == "cpu":
-        return checkpoint_name(_blocked(x_MxC, w_ExCxO, sizes_E), DOT_TAG)
-    return checkpoint_name(jax.lax.ragged_dot(x_MxC, w_ExCxO, sizes_E), DOT_TAG)
+        return _blocked(x_MxC, w_ExCxO, sizes_E)
+    return jax.lax.ragged_dot(x_MxC, w_ExCxO, sizes_E)
 
 
 def _blocked(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Array:
