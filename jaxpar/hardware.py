@@ -31,6 +31,9 @@ class Hardware:
     """GPUs per node (one NVLink domain)."""
     hbm_bw: float = 2.0e12
     """HBM bytes/s (the datasheet's memory bandwidth): what the memory-bound parts of a step run at."""
+    peak_flops_fp8: float | None = None
+    """Dense FP8 tensor-core peak, FLOP/s (Hopper: twice bf16's); None where the GPU has no FP8
+    tensor cores (A100: `model.fp8`'s products then run at the bf16 rate)."""
 
 
 GB = 10**9
@@ -40,14 +43,17 @@ HARDWARE = {
     # HDR InfiniBand 200 Gb/s per GPU, HBM 1555 GB/s (40GB) and 2039 GB/s (80GB).
     "a100-40gb": Hardware("A100-SXM4-40GB", 40 * GB, 312e12, 156e12, 300e9, 25e9, hbm_bw=1555e9),
     "a100-80gb": Hardware("A100-SXM4-80GB", 80 * GB, 312e12, 156e12, 300e9, 25e9, hbm_bw=2039e9),
-    # NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), 494 TF32 dense,
-    # NVLink 4 900 GB/s bidirectional, NDR InfiniBand 400 Gb/s per GPU, HBM3 3.35 TB/s.
-    "h100-80gb": Hardware("H100-SXM5-80GB", 80 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=3.35e12),
+    # NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), 494 TF32 dense, 1979
+    # FP8 dense, NVLink 4 900 GB/s bidirectional, NDR InfiniBand 400 Gb/s per GPU, HBM3 3.35 TB/s.
+    "h100-80gb": Hardware("H100-SXM5-80GB", 80 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=3.35e12,
+                          peak_flops_fp8=1979e12),
     # NVIDIA H800 SXM (the export form of the H100 that trained DeepSeek-V3): H100's compute and
     # HBM, NVLink cut to 400 GB/s bidirectional; DeepSeek-V3's cluster has 400 Gb/s InfiniBand per GPU.
-    "h800-80gb": Hardware("H800-SXM5-80GB", 80 * GB, 989e12, 494e12, 200e9, 50e9, hbm_bw=3.35e12),
-    # NVIDIA H200 SXM datasheet: H100's compute and NVLink, 141 GB HBM3e at 4.8 TB/s.
-    "h200-141gb": Hardware("H200-SXM-141GB", 141 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=4.8e12),
+    "h800-80gb": Hardware("H800-SXM5-80GB", 80 * GB, 989e12, 494e12, 200e9, 50e9, hbm_bw=3.35e12,
+                          peak_flops_fp8=1979e12),
+    # NVIDIA H200 SXM datasheet: H100's compute (1979 TFLOPS FP8 dense) and NVLink, 141 GB HBM3e at 4.8 TB/s.
+    "h200-141gb": Hardware("H200-SXM-141GB", 141 * GB, 989e12, 494e12, 450e9, 50e9, hbm_bw=4.8e12,
+                           peak_flops_fp8=1979e12),
 }
 
 

@@ -240,3 +240,28 @@ def test_replicated_kv_heads_are_refused():
     with pytest.raises(ConfigError, match=r"model\.fp8 = true cannot run mesh\.model = 4 over model\.n_kv_heads = 2"
                                           r".*; set "):
         validate(tiny((2, 1, 4)))
+
+
+# ------------------------------------------------------------------ the planner
+
+
+def test_the_planner_runs_the_block_matmuls_at_the_fp8_rate():
+    """`plan.steptime.compute_terms`: with model.fp8 the blocks' weight matmuls take the FP8
+    peak (the FLOP part exactly 989/1979 of bf16's on an H100 with HBM taken out), the output head
+    stays at bf16's; on an A100 (no FP8 tensor cores) nothing changes."""
+    import dataclasses
+
+    from jaxpar.hardware import HARDWARE
+    from jaxpar.plan.steptime import MATMUL_EFFICIENCY, compute_terms
+
+    keys = {"dtype": "bfloat16", "d_model": 256, "d_ff": 1024, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 1000,
+            "seq_len": 128}
+    on, off = tiny(model=keys), tiny(model={**keys, "fp8": False})
+    h100 = dataclasses.replace(HARDWARE["h100-80gb"], hbm_bw=float("inf"))
+    m = off.model
+    M = off.train.global_batch * m.seq_len
+    head = 3 * 2 * M * m.d_model * m.padded_vocab / (MATMUL_EFFICIENCY * h100.peak_flops)
+    bf16, fp8_ = (compute_terms(c, (1, 1, 1), h100)["matmul"] for c in (off, on))
+    np.testing.assert_allclose(fp8_ - head, (bf16 - head) * 989 / 1979, rtol=1e-12)
+    a100 = HARDWARE["a100-80gb"]
+    assert compute_terms(on, (1, 1, 1), a100)["matmul"] == compute_terms(off, (1, 1, 1), a100)["matmul"]

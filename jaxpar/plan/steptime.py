@@ -85,18 +85,21 @@ def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dic
     else:
         shapes = [(D, 3 * H * hd), (H * hd, D), (D, F // t), (F // t, D)]
 
-    def gemm_rows(rows, k, n, units, peak=peak, act=act):
-        return units * (2 * rows * k * n / (MATMUL_EFFICIENCY * peak) + (rows * k + k * n + rows * n) * act / hw.hbm_bw)
+    def gemm_rows(rows, k, n, units, peak=peak, act=act):  # a matmul in the compute dtype
+        return _plain_gemm(rows, k, n, units, peak, act, hw)
+
+    # The blocks' weight matmuls: FP8 products with `model.fp8` (docs/fp8.md; not calibrated).
+    block_rows = functools.partial(fp8_gemm_seconds, hw=hw, plain=gemm_rows, act=act) if m.fp8 else gemm_rows
 
     def gemm(k, n, units):
-        return gemm_rows(M, k, n, units)
+        return block_rows(M, k, n, units)
 
     width = F // t
     if m.moe:  # the MoE layers' matmuls instead of the dense MLP's (`jaxpar.plan.moe`; the router in float32)
         f = moe_costs.moe_fraction(m)  # a mixed model (`model.moe_layers`): per layer, the mean of both kinds
         dense_mlp = sum(gemm(k, n, gemm_units) for k, n in shapes[2:])
         shapes = shapes[:2]
-        moe = f * moe_costs.gemm_terms(cfg, shape, M, gemm_rows, gemm_units, lambda r, k, n, u: gemm_rows(
+        moe = f * moe_costs.gemm_terms(cfg, shape, M, block_rows, gemm_units, lambda r, k, n, u: gemm_rows(
             r, k, n, u, peak=hw.peak_flops_fp32, act=4)) + (1 - f) * dense_mlp
         width = f * moe_costs.mlp_width(m, t, moe_costs.routes_sequence_shard(cfg, t)) + (1 - f) * width
     else:
@@ -104,11 +107,12 @@ def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dic
 
     V = m.padded_vocab // t
     layers, micro = busiest_stage_layers(cfg, p), par.microbatches
+    head = gemm_rows(M, D, V, 3)  # the output head: never FP8
     core = 4 * rows * S * S * H * hd * (3 + again)
     flash = uses_flash_attention(cfg, "gpu")
     st = model_state(cfg, shape)
     return {
-        "matmul": micro * (layers * (sum(gemm(k, n, gemm_units) for k, n in shapes) + moe) + gemm(D, V, 3) / p),
+        "matmul": micro * (layers * (sum(gemm(k, n, gemm_units) for k, n in shapes) + moe) + head / p),
         "flash": micro * layers * core / peak if flash else 0.0,
         "scores": 0.0 if flash else micro * layers * (3 + again) * rows * H * S * S * 4 / hw.hbm_bw,
         "elementwise": micro * layers * (3 + again) * M * (D + width) * act / hw.hbm_bw,
@@ -117,6 +121,26 @@ def compute_terms(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> dic
         "optimizer": (2 * st["params"] + st["grads"] + 2 * st["optimizer"]) / hw.hbm_bw,
         "newton_schulz": newton_schulz_seconds(cfg, shape, hw),
     }
+
+
+def _plain_gemm(rows, k, n, units, peak, act, hw: Hardware) -> float:
+    """`compute_terms`' matmul model: FLOPs at the measured large-matmul rate, operands and result
+    through HBM once."""
+    return units * (2 * rows * k * n / (MATMUL_EFFICIENCY * peak) + (rows * k + k * n + rows * n) * act / hw.hbm_bw)
+
+
+def fp8_gemm_seconds(rows, k, n, units, *, hw: Hardware, plain, act: int) -> float:
+    """One FP8 weight matmul (`model.fp8`) as `compute_terms` models it, not calibrated (no FP8
+    step has run on a GPU): its FLOPs at `MATMUL_EFFICIENCY` of the FP8 peak, its operands read
+    as one byte each and its result written in the compute dtype, plus the quantization of both
+    operands (an amax pass and a cast pass over each: read twice in the compute dtype, written
+    once in FP8). Without FP8 tensor cores (`Hardware.peak_flops_fp8` None): `plain`, the
+    matmul in the compute dtype."""
+    if hw.peak_flops_fp8 is None:
+        return plain(rows, k, n, units)
+    flops = 2 * rows * k * n / (MATMUL_EFFICIENCY * hw.peak_flops_fp8)
+    io = (rows * k + k * n) * 1 + rows * n * act + (rows * k + k * n) * (2 * act + 1)
+    return units * (flops + io / hw.hbm_bw)
 
 
 def newton_schulz_seconds(cfg: Config, shape: tuple[int, int, int], hw: Hardware) -> float:
