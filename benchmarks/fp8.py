@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_devices_arg, command, guarded, machine_info, write_json  # noqa: E402
-from muon import prepare_corpus, sweep_run  # noqa: E402
+from muon import add_curve_args, prepare_corpus, sweep_run  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -34,9 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate (default 3e-3: "
                                                           "benchmarks/muon.py's best for AdamW on this corpus)")
-    p.add_argument("--tail", type=int, default=5, help="logged losses averaged for the final train loss (default 5)")
-    p.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation (default 8)")
-    p.add_argument("--data", default="/tmp/muon_bench_data", help="prepared corpus directory (made if missing)")
+    add_curve_args(p)
     p.add_argument("--runs", default="/tmp/fp8_bench_runs", help="run directories (scratch)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 20 steps, nothing written without --out")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/fp8_cpu.json)")

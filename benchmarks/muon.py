@@ -66,6 +66,13 @@ OPTIMIZERS = ("adamw", "muon")
 CURVE_CONFIG = REPO / "configs" / "tiny_llama.yaml"
 
 
+def add_curve_args(p: argparse.ArgumentParser) -> None:
+    """The loss-curve runs' arguments (`sweep_run`; benchmarks/fp8.py's too)."""
+    p.add_argument("--tail", type=int, default=5, help="logged losses averaged for the final train loss (default 5)")
+    p.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation (default 8)")
+    p.add_argument("--data", default="/tmp/muon_bench_data", help="prepared corpus directory (made if missing)")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_devices_arg(p)
@@ -75,9 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 3e-2],
                    help="peak learning rates swept for each optimizer (default 1e-3 3e-3 1e-2 3e-2)")
     p.add_argument("--optimizers", default="adamw,muon", help="comma-separated optimizers swept (default adamw,muon)")
-    p.add_argument("--tail", type=int, default=5, help="logged losses averaged for the final train loss (default 5)")
-    p.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation (default 8)")
-    p.add_argument("--data", default="/tmp/muon_bench_data", help="prepared corpus directory (made if missing)")
+    add_curve_args(p)
     p.add_argument("--runs", default="/tmp/muon_bench_runs", help="run_dir parent for the sweep (replaced)")
     p.add_argument("--quick", action="store_true", help="smoke run; writes nothing unless --out is given")
     p.add_argument("--out", default=None, help="JSON output (default benchmarks/results/muon_cpu.json)")
