@@ -7,6 +7,7 @@ per-shard amax breaks parity)."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -265,3 +266,34 @@ def test_the_planner_runs_the_block_matmuls_at_the_fp8_rate():
     np.testing.assert_allclose(fp8_ - head, (bf16 - head) * 989 / 1979, rtol=1e-12)
     a100 = HARDWARE["a100-80gb"]
     assert compute_terms(on, (1, 1, 1), a100)["matmul"] == compute_terms(off, (1, 1, 1), a100)["matmul"]
+
+
+# ------------------------------------------------------------------ ZeRO-3's gathers
+
+
+def test_zero3_gathers_the_fp8_weights_as_float8():
+    """ZeRO-3 on data 8 in bf16: with model.fp8 every gather of a block matrix's shard moves
+    float8 bytes (ui8: `fp8.gather`) where bf16 moved 2 bytes per element, at the same places
+    (forward, and again in the backward pass), and nothing else changes (the embedding and head
+    in bf16, the norms in float32): half of bf16's bytes for those gathers, read from the lowered
+    step (what every backend compiles; XLA:CPU itself then runs bf16 collectives in float32)."""
+    from collections import Counter
+
+    from jaxpar.train.step import build
+
+    def gathers(on: bool) -> Counter:
+        cfg = tiny((8, 1, 1), model={"dtype": "bfloat16", "vocab_size": 96, "fp8": on}, zero=3)
+        program = build(cfg)
+        text = program.step.lower(program.abstract_state(), program.abstract_batch()).as_text()
+        types = (re.search(r"-> tensor<([\dx]+)x(\w+)>", line) for line in text.splitlines() if "all_gather" in line)
+        return Counter((tuple(int(n) for n in t.group(1).split("x")), t.group(2)) for t in types if t)
+
+    off, on = gathers(False), gathers(True)
+    V = tiny(model={"vocab_size": 96}).model.padded_vocab  # (the embedding's and head's vocabulary dim)
+    # The bf16 gathers but the embedding's and the head's become ui8 of the same shape.
+    want = Counter({(shape, "ui8" if dtype == "bf16" and V not in shape else dtype): n
+                    for (shape, dtype), n in off.items()})
+    assert on == want, (on, off)
+    fp8_bytes = sum(math.prod(s) * n for (s, d), n in on.items() if d == "ui8")
+    replaced = sum(2 * math.prod(s) * n for (s, d), n in off.items() if d == "bf16" and V not in s)
+    assert fp8_bytes > 0 and fp8_bytes * 2 == replaced

@@ -15,7 +15,8 @@ scale and a dot. On CPU the same program runs as converts to the compute dtype, 
 the upcast product and every test runs without a GPU. The backward pass (`apply`'s custom VJP)
 quantizes the output's cotangent to e5m2 and takes the VJP of the same product at the dequantized
 operands: the input gradient and the weight gradient are FP8 matmuls too; the residuals kept for
-it are the FP8 operands and their scales (a byte per element).
+it are the FP8 input and its scale (a byte per element) and the weight as handed out (which the
+remat policies never save: re-gathered or recast, and quantized again, in the backward pass).
 """
 
 from __future__ import annotations
@@ -92,10 +93,12 @@ def _forward(f, x, w, *rest):
     sx, sw = scale(x, E4M3), scale(w, E4M3)
     qx, qw = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
     y = f(dequantize(qx, sx, x.dtype), dequantize(qw, sw, w.dtype), *rest)
-    # The FP8 operands are kept as their bytes (uint8): kept as float8 under a remat policy that
-    # saves everything (`none`), the step's primal output came out NaN (jax 0.10.2, XLA:CPU,
-    # measured). The operands' dtypes ride along as empty arrays (residuals are arrays).
-    return y, (_bytes(qx), sx, jnp.zeros((0,), x.dtype), _bytes(qw), sw, jnp.zeros((0,), w.dtype), rest)
+    # Kept for the backward pass: the input in FP8 (as bytes, uint8: kept as float8 under a remat
+    # policy that saves everything, `none`, the step's primal output came out NaN; jax 0.10.2,
+    # XLA:CPU, measured) and its scale; the weight as handed out, quantized again there, so that
+    # the remat policies treat it as every handed-out parameter (never saved: ZeRO-3 gathers it
+    # again rather than hold every layer's weights). x's dtype rides along as an empty array.
+    return y, (_bytes(qx), sx, jnp.zeros((0,), x.dtype), w, rest)
 
 
 def _bytes(q: jax.Array) -> jax.Array:
@@ -103,16 +106,37 @@ def _bytes(q: jax.Array) -> jax.Array:
 
 
 def _backward(f, res, g):
-    qx, sx, like_x, qw, sw, like_w, rest = res
-    qx, qw = jax.lax.bitcast_convert_type(qx, E4M3), jax.lax.bitcast_convert_type(qw, E4M3)
+    qx, sx, like_x, w, rest = res
+    sw = scale(w, E4M3)
+    qx, qw = jax.lax.bitcast_convert_type(qx, E4M3), quantize(w, E4M3, sw)
     sg = scale(g, E5M2)
     gq = dequantize(quantize(g, E5M2, sg), sg, g.dtype)
-    _, pull = jax.vjp(lambda a, b: f(a, b, *rest), dequantize(qx, sx, like_x.dtype), dequantize(qw, sw, like_w.dtype))
+    _, pull = jax.vjp(lambda a, b: f(a, b, *rest), dequantize(qx, sx, like_x.dtype), dequantize(qw, sw, w.dtype))
     dx, dw = pull(gq)
     return (dx, dw, *(None for _ in rest))
 
 
 _apply.defvjp(_forward, _backward)
+
+
+# -- ZeRO-3's gathers in FP8 ------------------------------------------------------------------------
+
+
+def gathered(names) -> bool:
+    """Does ZeRO-3 gather a parameter with these logical names (as `use_params` hands it out) in
+    FP8: a matrix of a block (attention, MLP, experts, MLA's projections; the MTP modules' blocks),
+    not the embedding or output head (`vocab`), the router, or MTP's input projection."""
+    return sum(n not in ("layers", "mtp") for n in names) >= 2 and not {"vocab", "router", "mtp_cat"} & set(names)
+
+
+def gather(shard: jax.Array, all_gather: Callable, dtype) -> jax.Array:
+    """A ZeRO-3 weight shard quantized to e4m3 with the whole weight's scale (`scale`: the pmax
+    over the axes the shard varies over, `data` among them), gathered by `all_gather` as bytes (1
+    per element: half of bf16's), and dequantized in `dtype`: the e4m3 values `apply` computes
+    from the gathered weight, which it quantizes again to the same values."""
+    s = scale(shard, E4M3)
+    full = jax.lax.bitcast_convert_type(all_gather(_bytes(quantize(shard, E4M3, s))), E4M3)
+    return dequantize(full, s, dtype)
 
 
 # -- the same product as parts (the pipeline's split backward, `layers.linear`) ---------------------

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config
+from jaxpar.model import fp8
 from jaxpar.parallel import microbatches
 from jaxpar.parallel.zero import Layout
 from jaxpar.sharding import (Handout, Shard, recast, Rules, TensorParallel, activation_rules, compute_rules, vary,
@@ -88,28 +89,47 @@ def _gather_cast_bwd(dim, dtype, stored, _, ct):
 _gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)
 
 
-def gather_at_use(shard: jax.Array, dim: int | None, cast) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_fp8(shard: jax.Array, dim: int, dtype, stored) -> jax.Array:
+    """ZeRO-3's use of an FP8 matmul's weight shard (`model.fp8`): quantized with the whole
+    weight's scale and all-gathered as float8 bytes (`jaxpar.model.fp8.gather`: half of bf16's
+    bytes), dequantized in `dtype`; the gradient is reduce-scattered in the stored dtype."""
+    return fp8.gather(shard, lambda q: jax.lax.all_gather(q, DATA, axis=dim, tiled=True), dtype)
+
+
+def _gather_fp8_fwd(shard, dim, dtype, stored):
+    return _gather_fp8(shard, dim, dtype, stored), None
+
+
+_gather_fp8.defvjp(_gather_fp8_fwd, _gather_cast_bwd)
+
+
+def gather_at_use(shard: jax.Array, dim: int | None, cast, in_fp8: bool = False) -> jax.Array:
     """ZeRO-3's use of a parameter: a data shard (`dim` not None) all-gathered along `dim`, in the
-    compute dtype `cast` when given (`_gather_cast`); a replicated leaf only cast."""
+    compute dtype `cast` when given (`_gather_cast`), or as float8 (`in_fp8`: `_gather_fp8`); a
+    replicated leaf only cast."""
     if dim is None:
         return _cast(shard, cast)
+    if in_fp8:
+        return _gather_fp8(shard, dim, shard.dtype if cast is None else cast, shard.dtype)
     if cast is None:
         return jax.lax.all_gather(shard, DATA, axis=dim, tiled=True)
     return _gather_cast(shard, dim, cast, shard.dtype)
 
 
-def hand_out(upcast: bool = False) -> Callable:
+def hand_out(upcast: bool = False, fp8_gathers: bool = False) -> Callable:
     """The `use_params` hook inside a shard_map manual over `data`: a `Handout` (ZeRO-1/2) is
     reduce-scattered at use, a `Shard` (ZeRO-3) all-gathered at use, a value already data-varying
     only cast, anything else cast to data-varying (its gradient all-reduced at use). Matrices come
     out in the compute dtype. With `upcast` (master weights) a 16-bit parameter is made float32
-    first, so that its gradient is reduced in float32. Both executors hand parameters out through
-    it, marked by `mark_for_use`."""
+    first, so that its gradient is reduced in float32. With `fp8_gathers` (`model.fp8`) the FP8
+    matmuls' weights (`jaxpar.model.fp8.gathered`) are gathered as float8. Both executors hand
+    parameters out through it, marked by `mark_for_use`."""
     def use(x, names: tuple[str, ...], cast) -> jax.Array:
         if isinstance(x, Handout):
             return _cast(_scatter_at_use(x.full, x.seed, x.dim % x.full.ndim), cast)
         if isinstance(x, Shard):
-            return gather_at_use(x.value, x.dim % x.value.ndim, cast)
+            return gather_at_use(x.value, x.dim % x.value.ndim, cast, fp8_gathers and fp8.gathered(names))
         if DATA in varying_axes(x):  # already data-varying: an expert's slice, the pipeline's leaves
             return _cast(x, cast)
         if upcast:
@@ -292,7 +312,7 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
     at_use = red.at_use
     master = cfg.train.master_weights != "none"
     # Otherwise no hook: `use_params` still hands matrices out in the compute dtype (`recast`).
-    param_fn = hand_out(upcast=master) if at_use else None
+    param_fn = hand_out(upcast=master, fp8_gathers=cfg.model.fp8) if at_use else None
     # ZeRO-1/2 leaves sharded over data: handed out with a seed when reduced at use.
     scatter = jax.tree.map(lambda dim: red.scatter and dim is not None, layout.zero_dims,
                            is_leaf=lambda x: x is None or isinstance(x, int))

@@ -104,7 +104,7 @@ def stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
     params = {k: w if k == "blocks" else jax.tree.map(gather_stage, w, layout.stage_dims[k],
                                                          is_leaf=lambda x: x is None or isinstance(x, int))
               for k, w in params.items()}
-    param_fn = hand_out() if setup.reduction.at_use else None  # (ZeRO-3 gathers or ZeRO-2 scatters at use)
+    param_fn = hand_out(fp8_gathers=setup.cfg.model.fp8) if setup.reduction.at_use else None  # (ZeRO-3 gathers or ZeRO-2 scatters at use)
     if gather == "step":  # every sharded leaf once per step, kept for the step
         params = jax.tree.map(_gather, params, layout.zero_dims)
     st = stage_inputs(setup, stage, params, batch)
