@@ -83,6 +83,7 @@ def run_case(name, preset, overrides, steps, warmup, peak, measured):
         "mfu_vs_datasheet": achieved / peak, "mfu_vs_measured_matmul": achieved / measured,
         "compile_s": compile_s, "final_loss": float(metrics["loss"]),
         "cudnn_fused_attention_in_hlo": "__cudnn$fmha" in hlo,
+        "cublaslt_fp8_gemm_in_hlo": "__cublas$lt$matmul$f8" in hlo,  # (model.fp8: XLA's FP8 rewrite)
         "memory_bytes": {"arguments": mem.argument_size_in_bytes, "temp": mem.temp_size_in_bytes,
                          "output": mem.output_size_in_bytes},
         "xla_cost_analysis_flops": (compiled.cost_analysis() or {}).get("flops"),
