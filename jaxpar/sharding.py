@@ -29,9 +29,9 @@ from jaxpar.config import Config
 # hidden width (split over `model` as `mlp` is: Megatron's expert tensor parallelism), `router`
 # the expert dim of the router and of its bias and statistics (replicated). `latent` is the width of
 # multi-head latent attention's compressed queries and keys/values (replicated, as Megatron keeps
-# MLA's down-projections).
+# MLA's down-projections). `fp8` is a block's FP8 amax history (replicated, never ZeRO-sharded).
 LOGICAL_NAMES = ("batch", "seq", "sp_seq", "pos", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
-                 "layers", "experts", "expert_mlp", "router", "latent")
+                 "layers", "experts", "expert_mlp", "router", "latent", "fp8")
 
 Axis = str | tuple[str, ...] | None
 
@@ -112,7 +112,7 @@ def storage_rules(cfg: Config, mesh: Mesh) -> Rules:
         "batch": None, "seq": None, "sp_seq": None, "pos": None, "embed": None, "head_dim": None,
         "heads": "model", "kv_heads": _kv_heads_axis(cfg, mesh), "mlp": "model", "vocab": "model",
         "layers": "stage", "experts": _experts_axis(cfg, mesh), "expert_mlp": _expert_mlp_axis(cfg), "router": None,
-        "latent": None, "mtp": None, "mtp_cat": None,
+        "latent": None, "mtp": None, "mtp_cat": None, "fp8": None,
     })
 
 
@@ -124,7 +124,7 @@ def compute_rules(cfg: Config, mesh: Mesh) -> Rules:
         "pos": None, "embed": None, "head_dim": None,
         "heads": "model", "kv_heads": _kv_heads_axis(cfg, mesh), "mlp": "model", "vocab": "model",
         "layers": None, "experts": None, "expert_mlp": _expert_mlp_axis(cfg), "router": None,
-        "latent": None, "mtp": None, "mtp_cat": None,
+        "latent": None, "mtp": None, "mtp_cat": None, "fp8": None,
     })
 
 

@@ -290,10 +290,28 @@ def validate(cfg: Config) -> None:
                        f"{cfg.model.kv_heads} (each replicated key and value head's gradient is a sum of the "
                        "ranks' parts, which FP8 would quantize apart, unlike one device); set mesh.model to at most "
                        "n_kv_heads, or model.fp8=false.")
+    if cfg.model.fp8_scaling == "delayed":
+        _validate_delayed_fp8(cfg)
 
     require(par.virtual_stages == 1 or par.schedule == "interleaved_1f1b",
             f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = interleaved_1f1b "
             f"(got {par.schedule}); set the schedule or parallel.virtual_stages=1.")
+
+
+def _validate_delayed_fp8(cfg: Config) -> None:
+    """model.fp8_scaling: delayed (docs/fp8.md): FP8 on, a history, and a step that keeps one."""
+    m, par = cfg.model, cfg.parallel
+    require(m.fp8, "model.fp8_scaling = delayed needs model.fp8 = true (it chooses the FP8 matmuls' scales); set "
+                   "model.fp8=true, or model.fp8_scaling=current.")
+    require(m.fp8_history >= 1, f"model.fp8_scaling = delayed needs model.fp8_history >= 1 (got {m.fp8_history}: "
+                                "how many steps' amaxes each FP8 tensor remembers); set e.g. model.fp8_history=16, "
+                                "or model.fp8_scaling=current.")
+    require(par.data_mode != "naive", "model.fp8_scaling = delayed cannot be combined with parallel.data_mode = "
+                                      "naive (its baseline step does not update the amax history); set "
+                                      "parallel.data_mode=ddp, or model.fp8_scaling=current.")
+    require(cfg.mesh.stage == 1, f"model.fp8_scaling = delayed runs without pipeline stages for now (mesh.stage = "
+                                 f"{cfg.mesh.stage}: the tick loop's accumulators would sum the amaxes, not take "
+                                 "their maximum); set mesh.stage=1, or model.fp8_scaling=current.")
 
 
 def _validate_qk_clip(cfg: Config) -> None:

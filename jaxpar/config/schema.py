@@ -56,6 +56,14 @@ class ModelConfig:
     its input and weight in float8_e4m3fn and its output's gradient in float8_e5m2, one scale per
     tensor from its amax over the whole tensor (current scaling); the embedding, output head,
     router, norms and attention's softmax stay in `dtype`."""
+    fp8_scaling: Literal["current", "delayed"] = "current"
+    """How FP8 scales are chosen (docs/fp8.md): `current`, from this step's tensor (its amax, reduced
+    over the mesh); `delayed`, from the largest amax of the last `fp8_history` steps, kept per
+    matmul tensor in the parameters (`fp8_history` leaves, never trained, checkpointed with them),
+    as Transformer Engine's delayed scaling."""
+    fp8_history: int = 0
+    """`fp8_scaling: delayed`: how many steps' amaxes each FP8 tensor remembers (Transformer Engine
+    and Flax use 1024; at least 1)."""
     qk_norm: bool = False
     """RMSNorm over head_dim of each query and key head before RoPE (llama architecture; Qwen 3),
     one scale of head_dim shared by the heads."""

@@ -34,6 +34,7 @@ from jaxpar.config import ModelConfig
 from jaxpar.hf import deepseek, moe
 from jaxpar.hf.common import Entry, HFError, publish
 from jaxpar.hf.config import check_matches, hf_config, read_hf_config
+from jaxpar.model import fp8
 from jaxpar.model.transformer import dense_config, layer_order
 
 INDEX = "model.safetensors.index.json"
@@ -251,13 +252,18 @@ def from_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, interleave
 
 
 def _buffers(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
-    """The leaves no HF tensor holds (zeros on import, never exported): the MoE routers' report and
-    the MTP modules' (`jaxpar.model.mtp`)."""
+    """The leaves no HF tensor holds (zeros on import, never exported): the MoE routers' report, the
+    MTP modules' (`jaxpar.model.mtp`), and the blocks' FP8 amax histories (delayed scaling)."""
     mtp = (("mtp", "report"),) + ((("mtp", "blocks", "mlp", "router_stats"),) if cfg.moe else ()) \
         if cfg.mtp_depth and cfg.mla else ()
+    history = ()
+    if cfg.fp8 and cfg.fp8_scaling == "delayed":
+        stacks = (("blocks", "dense"), ("blocks", "moe")) if cfg.mixed else (("blocks",),)
+        history = tuple((*s, fp8.HISTORY) for s in stacks) + ((("mtp", "blocks", fp8.HISTORY),)
+                                                              if cfg.mtp_depth and cfg.mla else ())
     if not cfg.moe:
-        return mtp
-    return (tuple(("blocks", "moe", *p[1:]) for p in moe.BUFFERS) if cfg.mixed else moe.BUFFERS) + mtp
+        return mtp + history
+    return (tuple(("blocks", "moe", *p[1:]) for p in moe.BUFFERS) if cfg.mixed else moe.BUFFERS) + mtp + history
 
 
 def to_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:

@@ -5,11 +5,12 @@ architectures, and `register_block` for research code's own. A block builds on t
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ConfigError, ModelConfig
 from jaxpar.model import fp8
-from jaxpar.model.layers import MLP, attention, norm
+from jaxpar.model.layers import MLP, attention, norm, param
 from jaxpar.model.moe import MoE
 from jaxpar.sharding import enter_tp
 
@@ -26,9 +27,14 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(cfg, rngs=rngs)
         self.fp8 = cfg.fp8
+        self.fp8_sites, self.fp8_length = fp8_sites(cfg), cfg.fp8_history
+        if cfg.fp8 and cfg.fp8_scaling == "delayed":  # each FP8 matmul's amaxes (x, g), never trained
+            self.fp8_history = param(None, (self.fp8_sites * fp8.TENSORS * cfg.fp8_history,), ("fp8",), jnp.float32)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        with fp8.matmuls(self.fp8):  # model.fp8: the block's weight matmuls in FP8 (`jaxpar.model.fp8`)
+        # model.fp8: the block's weight matmuls in FP8, scaled from its history under delayed scaling
+        history = self.fp8_history[...] if hasattr(self, fp8.HISTORY) else None
+        with fp8.matmuls(self.fp8, history, self.fp8_sites, self.fp8_length):
             return self._call(x_BxTxD)
 
     def _call(self, x_BxTxD: jax.Array) -> jax.Array:
@@ -40,6 +46,17 @@ class Block(nnx.Module):
         if getattr(self.mlp, "routes_sequence_shard", lambda: False)():  # MoE, experts whole on each model rank
             return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD), sequence_shard=True)
         return x_BxTxD + self.mlp(enter_tp(self.mlp_norm(x_BxTxD)))
+
+
+def fp8_sites(cfg: ModelConfig) -> int:
+    """The FP8 weight matmuls one `Block` runs, in call order the rows of its `fp8_history`:
+    attention's (q, k, v, o; MLA's q or q_a and q_b, kv_a, kv_b, o), then the MLP's (llama: up,
+    gate, down; gpt2: up, down) or the MoE layer's (routed gate, up, down, then the shared
+    experts' gate, up, down). `fp8.matmuls` checks the count against the calls as the block runs."""
+    attention = (4 if cfg.q_lora_rank is None else 5) if cfg.mla else 4
+    if cfg.moe:
+        return attention + 3 + (3 if cfg.n_shared_experts else 0)
+    return attention + (3 if cfg.arch == "llama" else 2)
 
 
 # Blocks by name (`model.block`): research code registers its own and every strategy (pipeline

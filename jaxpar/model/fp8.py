@@ -24,27 +24,55 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxpar.sharding import varying_axes
+from jaxpar.sharding import vary, varying_axes
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: 448 at most, 3 mantissa bits
 E5M2 = jnp.float8_e5m2    # gradients: 57344 at most, 2 mantissa bits
 
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_fp8", default=False)
+_DELAYED: contextvars.ContextVar[_History | None] = contextvars.ContextVar("jaxpar_fp8_delayed", default=None)
+
+HISTORY = "fp8_history"
+"""The name of a block's amax-history leaf (`model.fp8_scaling: delayed`)."""
+
+
+class _History:
+    """A block's amax history while the block runs: `sites` matmuls (in call order) x `TENSORS` (x,
+    g) x `length` steps, flat as the leaf is stored; `take()` gives the next matmul its row."""
+
+    def __init__(self, flat: jax.Array, sites: int, length: int):
+        self.flat, self.sites, self.length, self.taken = flat, sites, length, 0
+
+    def take(self) -> int:
+        if self.taken == self.sites:
+            raise AssertionError(f"model.fp8_scaling = delayed: the block ran more than its {self.sites} FP8 matmuls "
+                                 "(`fp8.sites` counts fewer than the block calls)")
+        self.taken += 1
+        return self.taken - 1
 
 
 @contextlib.contextmanager
-def matmuls(on: bool = True):
-    """Within: the weight matmuls (`layers.linear`, `moe.grouped`) run in FP8 (when `on`)."""
+def matmuls(on: bool = True, history: jax.Array | None = None, sites: int = 0, length: int = 0):
+    """Within: the weight matmuls (`layers.linear`, `moe.grouped`) run in FP8 (when `on`). With
+    `history` (a block's `fp8_history` leaf as handed out, `model.fp8_scaling: delayed`), their
+    scales of x and g come from it, the i-th FP8 matmul reading row i (`sites` x `TENSORS` x
+    `length`)."""
     token = _ON.set(on)
+    hist = _History(history, sites, length) if on and history is not None else None
+    token_d = _DELAYED.set(hist)
     try:
         yield
     finally:
+        _DELAYED.reset(token_d)
         _ON.reset(token)
+    if hist is not None and hist.taken != sites:
+        raise AssertionError(f"model.fp8_scaling = delayed: the block ran {hist.taken} FP8 matmuls, its history has "
+                             f"rows for {sites} (`fp8.sites`)")
 
 
 def active() -> bool:
@@ -80,7 +108,13 @@ def apply(f: Callable, x: jax.Array, w: jax.Array, *rest) -> jax.Array:
     """`f(x, w, *rest)` (a product linear in x and in w, e.g. an einsum or a grouped matmul) with
     x and w in e4m3 and, in the backward pass, the output's cotangent in e5m2 (module docstring).
     `rest` (e.g. group sizes) is not differentiated. x and w must vary over the same manual axes
-    (as `layers.linear` casts them), so that their cotangents come back with their types."""
+    (as `layers.linear` casts them), so that their cotangents come back with their types. Inside a
+    block with a history (`model.fp8_scaling: delayed`), the scales are the history's (`_delayed`)."""
+    hist = _DELAYED.get()
+    if hist is not None:
+        i = hist.take()
+        axes = (*varying_axes(x), *varying_axes(hist.flat))
+        return _delayed(f, i, hist.sites, hist.length, x, w, vary(hist.flat, axes), *rest)
     return _apply(f, x, w, *rest)
 
 
@@ -117,6 +151,91 @@ def _backward(f, res, g):
 
 
 _apply.defvjp(_forward, _backward)
+
+
+# -- delayed scaling ---------------------------------------------------------------------------------
+# Each FP8 matmul's row of its block's history holds, for its input x and its output's cotangent
+# g, the amaxes of the last `length` steps, newest first. This step's scales of x and g are the
+# largest of them (1 for an empty history: the first step, as Transformer Engine starts); the
+# weight's scale stays current (its amax, as `scale`): the weight is known before the step, so
+# its amax waits on no computation, and ZeRO-3's FP8 gather (`gather`) quantizes it with that scale.
+# This step's amaxes of x and g leave through the custom VJP as the history's "gradient" (at
+# position 0 of each tensor's row, zeros elsewhere), and `record` shifts them in after the step.
+# The amax is the whole tensor's, as current scaling's (`amax`: a pmax over the manual axes); the
+# gradient reductions then sum it over every rank that holds a copy of the history (the
+# transposes of the casts that made the replicated history vary), so only the first rank of
+# those axes reports it and the sum is the amax exactly; over microbatches the accumulation takes
+# the maximum (`is_history`, `jaxpar.parallel.microbatches.add_f32`).
+
+TENSORS = 2
+"""The tensors of a matmul with a history row: its input x (e4m3) and its output's cotangent g (e5m2)."""
+
+
+def history_scales(row_2xH: jax.Array) -> jax.Array:
+    """The scales [2] (x in e4m3, g in e5m2) of a matmul's history row [2, length]."""
+    top = jnp.array([float(jnp.finfo(E4M3).max), float(jnp.finfo(E5M2).max)])
+    a = jnp.max(row_2xH.astype(jnp.float32), axis=-1)
+    return jnp.where(a > 0, a / top, 1.0)
+
+
+def _first_rank(axes) -> jax.Array:
+    """True on the rank whose index is 0 along every axis of `axes` (True without axes)."""
+    first = jnp.bool_(True)
+    for a in axes:
+        first = first & (jax.lax.axis_index(a) == 0)
+    return first
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _delayed(f, i, sites, length, x, w, hist, *rest):
+    return _delayed_fwd(f, i, sites, length, x, w, hist, *rest)[0]
+
+
+def _delayed_fwd(f, i, sites, length, x, w, hist, *rest):
+    s = history_scales(hist.reshape(sites, TENSORS, length)[i])
+    sw = scale(w, E4M3)
+    qx, qw = quantize(x, E4M3, s[0]), quantize(w, E4M3, sw)
+    y = f(dequantize(qx, s[0], x.dtype), dequantize(qw, sw, w.dtype), *rest)
+    # (As `_forward`'s residuals, with x's amax, taken here, and the history's type.)
+    return y, (_bytes(qx), s, amax(x), jnp.zeros((0,), x.dtype), w, hist[:0], rest)
+
+
+def _delayed_bwd(f, i, sites, length, res, g):
+    qx, s, ax, like_x, w, like_hist, rest = res
+    sw = scale(w, E4M3)
+    qx, qw = jax.lax.bitcast_convert_type(qx, E4M3), quantize(w, E4M3, sw)
+    gq = dequantize(quantize(g, E5M2, s[1]), s[1], g.dtype)
+    _, pull = jax.vjp(lambda a, b: f(a, b, *rest), dequantize(qx, s[0], like_x.dtype), dequantize(qw, sw, w.dtype))
+    dx, dw = pull(gq)
+    # (The history's copies over these axes are summed by the gradient reductions: one reports.)
+    axes = sorted(a for a in set(varying_axes(like_hist)) if a != "stage")
+    amaxes = jnp.where(_first_rank(axes), jnp.stack([ax, amax(g)]), 0.0)
+    ct = jnp.zeros((sites, TENSORS, length), jnp.float32).at[i, :, 0].set(amaxes).reshape(-1)
+    return (dx, dw, vary(ct.astype(like_hist.dtype), varying_axes(like_hist)), *(None for _ in rest))
+
+
+_delayed.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def is_history(path) -> bool:
+    """Is this tree path (`jax.tree_util` keys) a block's amax history (`model.fp8_scaling: delayed`)?"""
+    return bool(path) and getattr(path[-1], "key", None) == HISTORY
+
+
+def without_amax(grads: Any) -> Any:
+    """The gradients with zeros for every history leaf (whose "gradient" is the step's amaxes)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: jnp.zeros_like(x) if is_history(p) else x, grads)
+
+
+def record(params: Any, grads: Any, length: int) -> Any:
+    """`params` with each history leaf's rows shifted by one step, this step's amaxes (position 0 of
+    each row of the leaf's "gradient" in `grads`) in front: the newest `length` steps kept."""
+    def one(p, h, a):
+        if not is_history(p):
+            return h
+        rows, new = h.reshape(*h.shape[:-1], -1, length), a.reshape(*a.shape[:-1], -1, length)
+        return jnp.concatenate([new[..., :1].astype(h.dtype), rows[..., :-1]], axis=-1).reshape(h.shape)
+    return jax.tree_util.tree_map_with_path(one, params, grads)
 
 
 # -- ZeRO-3's gathers in FP8 ------------------------------------------------------------------------

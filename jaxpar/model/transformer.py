@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.blocks import block_class, stacked
-from jaxpar.model import qk_clip
+from jaxpar.model import fp8, qk_clip
 from jaxpar.model.mtp import MTP
 from jaxpar.model.layers import Sequence, active_split, linear, norm, param, sequence, sequence_layout
 from jaxpar.sharding import ATTN_TAG, DOT_TAG, constrain, embed_lookup, enter_tp, local_seq, params_never_saved, use_params
@@ -351,9 +351,11 @@ def count_params(cfg: ModelConfig, *, embeddings: bool = True, active: bool = Fa
     """Parameter count Ψ (optionally without the token / position embeddings, for FLOP counts;
     with `active`, an MoE model's parameters that one token uses: its k routed experts of each
     layer, not all of them, and not the routers' bias and report, which no token multiplies; the
-    multi-token prediction modules are counted, as the work of a training step)."""
+    multi-token prediction modules are counted, as the work of a training step). The FP8 amax
+    histories are not counted."""
     shapes = param_shapes(cfg)
-    total = sum(x.size for x in jax.tree.leaves(shapes))
+    # (The blocks' FP8 amax histories, `model.fp8_scaling: delayed`, are state, not weights.)
+    total = sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(shapes) if not fp8.is_history(p))
     if not embeddings:
         total -= shapes["embed"].size + (shapes["pos_embed"].size if "pos_embed" in shapes else 0)
     if active and cfg.mtp_depth:  # the MTP report leaf, which no token multiplies

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import Config
+from jaxpar.model import fp8
 from jaxpar.sharding import zeros_like_varying
 
 
@@ -40,9 +41,12 @@ def f32_zeros(tree):
 
 
 def add_f32(acc, *grads):
-    """`acc` plus each tree of `grads`, each leaf cast to float32 before it is added."""
+    """`acc` plus each tree of `grads`, each leaf cast to float32 before it is added; an FP8 amax
+    history's leaf (`fp8.is_history`: its "gradient" is the amaxes seen) takes the maximum."""
+    def one(path, a, x):
+        return jnp.maximum(a, x.astype(jnp.float32)) if fp8.is_history(path) else a + x.astype(jnp.float32)
     for g in grads:
-        acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
+        acc = jax.tree_util.tree_map_with_path(one, acc, g)
     return acc
 
 

@@ -50,7 +50,8 @@ def zero_dim(names: tuple[str, ...], shape: tuple[int, ...], split: tuple[int, .
     """
     if data == 1 or math.prod(shape) < min_elements:
         return None
-    fits = [i for i, n in enumerate(names) if n not in ("layers", "mtp") and shape[i] % (split[i] * data) == 0]
+    # (`fp8`: the FP8 amax history, whose reduction sums one rank's report: kept whole everywhere.)
+    fits = [i for i, n in enumerate(names) if n not in ("layers", "mtp", "fp8") and shape[i] % (split[i] * data) == 0]
     if ZERO_DIM_NAME in names and names.index(ZERO_DIM_NAME) in fits:
         return names.index(ZERO_DIM_NAME)
     return max(fits, key=lambda i: (shape[i], -i)) if fits else None
@@ -169,7 +170,7 @@ def _stage_dim(names: tuple[str, ...], shape: tuple[int, ...], split: tuple[int,
         return None
     if names[:1] == ("layers",) and not slots:
         return None
-    fits = [i for i in range(len(shape)) if i != zero_dim and names[i] not in ("layers", "mtp")
+    fits = [i for i in range(len(shape)) if i != zero_dim and names[i] not in ("layers", "mtp", "fp8")
             and shape[i] % (split[i] * stages) == 0]
     return max(fits, key=lambda i: (shape[i], -i)) if fits else None
 
@@ -203,10 +204,11 @@ def _refuse_replicated(names, shapes, dims, data, min_elements, experts) -> None
     flat_names = jax.tree.leaves(names, is_leaf=_is_names)
     flat_dims = jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, int))
     for (path, shape), n, d, e in zip(flat, flat_names, flat_dims, jax.tree.leaves(experts)):
-        # (An MoE router's bias and report, a few numbers per expert, and the MTP report, one per
-        # depth, may stay replicated; experts split over `data` by expert parallelism are sharded.)
+        # (An MoE router's bias and report, a few numbers per expert, the MTP report, one per
+        # depth, and an FP8 amax history stay replicated; experts split over `data` by expert
+        # parallelism are sharded.)
         if (d is None and not e and math.prod(shape.shape) >= min_elements
-                and tuple(x for x in n if x not in ("layers", "mtp")) not in (("router",), ())):
+                and tuple(x for x in n if x not in ("layers", "mtp")) not in (("router",), ("fp8",), ())):
             leaf = jax.tree_util.keystr(path, simple=True, separator=".")
             raise ConfigError(
                 f"parameter {leaf} {tuple(shape.shape)} (dims {', '.join(n)}) would stay replicated under "

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpar import model
 from jaxpar.config import Config, ConfigError, validate
 from jaxpar.mesh import AXES, check_cpu_threads, check_mesh, check_sizes, make_mesh
-from jaxpar.model import moe, mtp, qk_clip
+from jaxpar.model import fp8, moe, mtp, qk_clip
 from jaxpar.model.layers import document_segments, packed, sequence_layout
 from jaxpar.model.loss import cross_entropy, cross_entropy_sum  # noqa: F401 (the loss rule; cross_entropy re-exported)
 from jaxpar.model.transformer import REMAT_POLICIES, layer_order, token_ids
@@ -142,6 +142,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         raise ConfigError(f"model.attention = cudnn needs an NVIDIA GPU, but the mesh's devices are {platform}; "
                           "set model.attention=auto (cuDNN where it can run, XLA elsewhere) or xla.")
     check_host_memory(cfg, mesh.devices.flat[0])
+    check_fp8_device(cfg, mesh.devices.flat[0])
     eos = document_eos(cfg)
     if eos is not None and cfg.model.attention == "cudnn":
         raise ConfigError("data.document_mask = true needs an attention kernel that takes document boundaries, which "
@@ -181,6 +182,7 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     master = cfg.train.master_weights != "none"
     clipping = cfg.train.qk_clip is not None  # (stage 1, data_mode ddp: the config rules)
     order = layer_order(cfg.model)  # (train.qk_clip: each stack's layers)
+    delayed = cfg.model.fp8 and cfg.model.fp8_scaling == "delayed"
     # Where 16-bit parameters become float32 for differentiation (README, "Master weights"). Where
     # gradients are all-reduced per layer as their parameter is used (ZeRO-0/1, one microbatch,
     # data > 1, no pipeline: `jaxpar.parallel.gradients`), the upcast is there too, one layer at a
@@ -232,17 +234,17 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
             scale = (cfg.train.global_batch * cfg.model.seq_len) / jnp.maximum(jnp.sum(batch[:, 1:] >= 0), 1)
             # (The MTP report, losses too, is scaled with them.)
             loss, g = loss * scale, jax.tree_util.tree_map_with_path(
-                lambda path, x: x if moe.is_stats(path) else (x * scale).astype(x.dtype), g)
+                lambda path, x: x if moe.is_stats(path) or fp8.is_history(path) else (x * scale).astype(x.dtype), g)
         return loss, grads_for_optimizer(g), maxima
 
-    def update(params_and_opt_state, g, grad_norm, stats, maxima):
+    def update(params_and_opt_state, g, grad_norm, stats, maxima, amaxes):
         params, opt_state = params_and_opt_state
         if offload:  # the new state goes back to host memory below (both branches of the cond agree)
             opt_state = jax.device_put(opt_state, opt_on_device)
-        params, opt_state = _update(params, opt_state, g, grad_norm, stats, maxima)
+        params, opt_state = _update(params, opt_state, g, grad_norm, stats, maxima, amaxes)
         return params, (jax.device_put(opt_state, opt_stored) if offload else opt_state)
 
-    def _update(params, opt_state, g, grad_norm, stats, maxima):
+    def _update(params, opt_state, g, grad_norm, stats, maxima, amaxes):
         updates, opt_state = optimizer.update(g, opt_state, params, grad_norm=grad_norm)
         # ZeRO-1/2: each device computes the update of its optimizer-state shard only; the new
         # parameters are then all-gathered to their (replicated) storage layout by out_shardings.
@@ -250,12 +252,14 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         # train.qk_clip (MuonClip): the heads whose largest logit exceeded tau rescaled, on the
         # updated parameters (the master, then cast, with master weights).
         qk = (lambda p: qk_clip.clip(cfg.model, p, maxima, cfg.train.qk_clip, order)) if clipping else (lambda p: p)
+        # (model.fp8_scaling: delayed: this step's amaxes shifted into each FP8 history, outside Adam.)
+        fp8_history = (lambda p: fp8.record(p, amaxes, cfg.model.fp8_history)) if delayed else (lambda p: p)
         if master:  # the updated master (a moment-layout shard), cast to the stored dtype
             # (MoE sigmoid_bias routers: the selection bias moves on the master, outside Adam.)
-            opt_state = opt_state._replace(master=qk(moe.update_bias(cfg.model, opt_state.master, stats)))
+            opt_state = opt_state._replace(master=fp8_history(qk(moe.update_bias(cfg.model, opt_state.master, stats))))
             # Cast on the shard, so that out_shardings all-gathers 16-bit parameters, not the master.
             return jax.lax.with_sharding_constraint(stored_params(opt_state, params), moment_shardings), opt_state
-        return qk(moe.update_bias(cfg.model, optax.apply_updates(params, updates), stats)), opt_state
+        return fp8_history(qk(moe.update_bias(cfg.model, optax.apply_updates(params, updates), stats))), opt_state
 
     def step(state: TrainState, batch: jax.Array):
         loss, g, maxima = grads_and_maxima(state.params, batch)
@@ -263,13 +267,16 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
         # main and each depth's loss likewise.
         g, stats = moe.split_stats(cfg.model, g)
         g, report = mtp.split_report(cfg.model, g)
+        amaxes = g  # (model.fp8_scaling: delayed: each FP8 history's "gradient" is this step's amaxes)
+        if delayed:
+            g = fp8.without_amax(g)
         grad_norm = optax.tree.norm(g)
         ok, next_step, skipped = guard_non_finite(cfg.train.on_nan, loss, grad_norm, state.step, state.skipped)
         # A `cond`, not a `where(ok, new, old)` over the state: the select keeps the old moments
         # alive beside the new ones, so XLA copies every donated moment (+16 bytes per parameter
         # of memory traffic a step); the branch updates them in place, as a plain step does.
         params, opt_state = jax.lax.cond(ok, update, lambda s, *_: s, (state.params, state.opt_state), g, grad_norm,
-                                         stats, maxima)
+                                         stats, maxima, amaxes if delayed else None)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "skipped_steps": skipped}
         if stats is not None:
             metrics.update(moe.metrics(cfg.model, stats))
@@ -323,6 +330,19 @@ def check_host_memory(cfg: Config, device) -> None:
                           "parallel.remat=dots (the same values kept in device memory) or dots_except_mlp.")
     raise ConfigError(f"parallel.offload = {par.offload} needs pinned_host memory to keep the optimizer state "
                       f"in, but {have}; set parallel.offload=none (and parallel.zero=1 or more to shard it).")
+
+
+def check_fp8_device(cfg: Config, device) -> None:
+    """`model.fp8` on a GPU: refused (before compiling) below compute capability 8.9 (Ada; Hopper is
+    9.0), which has no FP8 tensor cores for XLA's cuBLASLt FP8 GEMMs. Elsewhere (CPU, emulated) it
+    runs."""
+    if not cfg.model.fp8 or device.platform != "gpu":
+        return
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None and tuple(int(v) for v in str(capability).split(".")[:2]) < (8, 9):
+        raise ConfigError(f"model.fp8 = true needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper), "
+                          f"but this GPU ({getattr(device, 'device_kind', 'unknown')}) has {capability}; set "
+                          "model.fp8=false.")
 
 
 def lower_step(cfg: Config, mesh: Mesh | None = None) -> tuple[jax.stages.Compiled, Mesh]:
