@@ -271,6 +271,67 @@ def test_the_planner_runs_the_block_matmuls_at_the_fp8_rate():
 # ------------------------------------------------------------------ ZeRO-3's gathers
 
 
+def _gathers(cfg) -> "Counter":
+    """(shape, element type) -> count of the lowered train step's all-gathers."""
+    from collections import Counter
+
+    from jaxpar.train.step import build
+
+    program = build(cfg)
+    text = program.step.lower(program.abstract_state(), program.abstract_batch()).as_text()
+    types = (re.search(r"-> tensor<([\dx]+)x(\w+)>", line) for line in text.splitlines() if "all_gather" in line)
+    return Counter((tuple(int(n) for n in t.group(1).split("x")), t.group(2)) for t in types if t)
+
+
+def test_zero3_step_gathers_the_fp8_weights_as_float8():
+    """`parallel.zero3_gather: step` (every shard gathered once before the microbatch loop, in
+    its stored float32): with model.fp8 each block matrix's gather moves float8 bytes instead
+    (ui8, a quarter of float32's), the embedding, head and norms unchanged; and the step computes
+    what gathering at use computes (the same FP8 values, a scale per layer of the stacks): step 0
+    equal, later losses within FP8_DRIFT_RTOL."""
+    def cfg(on: bool, gather: str = "step"):
+        return tiny((8, 1, 1), model={"dtype": "bfloat16", "vocab_size": 96, "fp8": on}, zero=3, microbatches=2,
+                    zero3_gather=gather).replace(train={"global_batch": 16})
+
+    off, on = _gathers(cfg(False)), _gathers(cfg(True))
+    V = tiny(model={"vocab_size": 96}).model.padded_vocab
+    matrices = {(shape, d) for (shape, d) in off if d == "f32" and V not in shape and len(shape) >= 3}
+    assert matrices, off  # (the stacked block matrices: [layers, ...] at least 3 dims)
+    want = {(shape, "ui8" if (shape, d) in matrices else d): n for (shape, d), n in off.items()}
+    assert on == want, (on, off)
+    assert_fp8_parity(run_steps(cfg(True)), run_steps(cfg(True, "microbatch")))
+
+
+@pytest.mark.slow
+def test_zero3_step_gathers_in_fp8_under_a_pipeline():
+    """(2, 2, 2) 1F1B with ZeRO-3 gathering once per step: FP8 gathers of each chunk's stacked
+    layers with a scale per layer (one scale for the stack would quantize each weight twice, with
+    two scales: measured, step 0 then differed) compute what gathering at use computes."""
+    def cfg(gather: str):
+        return tiny((2, 2, 2), model={"n_layers": 4, "vocab_size": 96}, zero=3, microbatches=2, zero3_gather=gather,
+                    schedule="1f1b")
+
+    assert_fp8_parity(run_steps(cfg("step")), run_steps(cfg("microbatch")))
+
+
+def test_the_planner_gathers_the_fp8_weights_at_a_byte_each():
+    """`jaxpar.plan.collectives`: ZeRO-3's all-gather over data (at use and once per step) moves
+    the FP8 matmuls' weights at 1 byte per element, everything else as without FP8."""
+    from jaxpar.plan.collectives import collectives
+    from jaxpar.plan.memory import model_state
+
+    for gather, m in (("microbatch", 1), ("step", 2)):
+        on, off = (tiny((4, 1, 1), model={"fp8": f}, zero=3, zero3_gather=gather, microbatches=m) for f in (True, False))
+        st = model_state(on, (4, 1, 1))
+        assert st["fp8_blocks_sharded"] == st["fp8_sharded"] > 0
+        uses = 2 if gather == "microbatch" else 1  # (at use: forward and backward, in each of m = 1
+        # microbatch; once per step: once)
+
+        def gathered(c):
+            return sum(x.bytes * x.count for x in collectives(c, (4, 1, 1)) if x.kind == "all-gather")
+        assert gathered(off) - gathered(on) == uses * st["fp8_sharded"] * 3 / 4  # float32 -> 1 byte
+
+
 def test_zero3_gathers_the_fp8_weights_as_float8():
     """ZeRO-3 on data 8 in bf16: with model.fp8 every gather of a block matrix's shard moves
     float8 bytes (ui8: `fp8.gather`) where bf16 moved 2 bytes per element, at the same places

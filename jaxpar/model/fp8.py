@@ -248,12 +248,20 @@ def gathered(names) -> bool:
     return sum(n not in ("layers", "mtp") for n in names) >= 2 and not {"vocab", "router", "mtp_cat"} & set(names)
 
 
-def gather(shard: jax.Array, all_gather: Callable, dtype) -> jax.Array:
+def gather(shard: jax.Array, all_gather: Callable, dtype, stacked: int = 0) -> jax.Array:
     """A ZeRO-3 weight shard quantized to e4m3 with the whole weight's scale (`scale`: the pmax
     over the axes the shard varies over, `data` among them), gathered by `all_gather` as bytes (1
     per element: half of bf16's), and dequantized in `dtype`: the e4m3 values `apply` computes
-    from the gathered weight, which it quantizes again to the same values."""
-    s = scale(shard, E4M3)
+    from the gathered weight, which it quantizes again to the same values. A stack of weights
+    (`stacked` leading dims: `layers`, `mtp`; `parallel.zero3_gather: step` gathers whole stacks)
+    has a scale per weight, as each layer's matmul sees it."""
+    if stacked:
+        axes = tuple(ax for ax in varying_axes(shard) if ax != "stage")
+        a = jnp.max(jnp.abs(shard), axis=tuple(range(stacked, shard.ndim)), keepdims=True).astype(jnp.float32)
+        a = jax.lax.pmax(a, axes) if axes else a
+        s = jnp.where(a > 0, a / float(jnp.finfo(E4M3).max), 1.0)
+    else:
+        s = scale(shard, E4M3)
     full = jax.lax.bitcast_convert_type(all_gather(_bytes(quantize(shard, E4M3, s))), E4M3)
     return dequantize(full, s, dtype)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Callable
 
 import jax
@@ -34,6 +35,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config
 from jaxpar.model import fp8
+from jaxpar.model.transformer import param_names
 from jaxpar.parallel import microbatches
 from jaxpar.parallel.zero import Layout
 from jaxpar.sharding import (Handout, Shard, recast, Rules, TensorParallel, activation_rules, compute_rules, vary,
@@ -338,7 +340,7 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
             return _finish(*accumulate(diff, params, batch))
         if dp:  # accumulated unreduced over microbatches, reduced once after the loop
             if zero == 3:  # ZeRO-3, gathered once per step: the gathered copies are data-varying
-                params = jax.tree.map(_gather, params, layout.zero_dims)
+                params = gather_for_step(cfg, params, layout.zero_dims)
             params = jax.tree.map(_varying, params)
         loss, g = accumulate(params, params, batch)
         g = jax.tree.map(red.reduce_after, g, layout.zero_dims, layout.experts,
@@ -360,6 +362,24 @@ def make_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, loss_fn: Callab
                          out_specs=(loss_spec, layout.manual_specs("grads", manual)), axis_names=manual)
 
 
-def _gather(x: jax.Array, dim: int | None) -> jax.Array:
-    """A ZeRO-3 shard all-gathered over `data` along its sharded dim (a replicated leaf as is)."""
-    return x if dim is None else jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
+def gather_for_step(cfg: Config, params, zero_dims):
+    """ZeRO-3 with `parallel.zero3_gather: step` (`Reduction.gather == "step"`), both executors:
+    every shard all-gathered over `data` along its sharded dim once, before the microbatch or tick
+    loop (a replicated leaf as is). With `model.fp8` the FP8 matmuls' weights (`fp8.gathered`)
+    travel as float8 bytes (`fp8.gather`: a quarter of float32's, half of bf16's), dequantized in
+    the compute dtype (as gathered at use) and kept in their stored dtype; the matmul quantizes
+    them again to the same values."""
+    names = param_names(cfg.model)
+
+    def one(x, dim, n):
+        if dim is None:
+            return x
+        gather = lambda q: jax.lax.all_gather(q, DATA, axis=dim, tiled=True)  # noqa: E731
+        if not (cfg.model.fp8 and fp8.gathered(n)):
+            return gather(x)
+        # A scale per layer of a stack: every leading dim but the weight's own (a pipeline's
+        # chunk and slot dims too).
+        own = len(tuple(itertools.dropwhile(lambda a: a in ("layers", "mtp"), n)))
+        # (Dequantized in the compute dtype, as at use, kept in the stored one: the same values.)
+        return fp8.gather(x, gather, jnp.dtype(cfg.model.dtype), x.ndim - own).astype(x.dtype)
+    return jax.tree.map(one, params, zero_dims, names, is_leaf=lambda x: x is None or isinstance(x, int))

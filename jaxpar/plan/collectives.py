@@ -61,16 +61,15 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     if p == 1:
         out += _data_reductions(cfg, red, gb, groups=((st["local"] - ep, st["sharded"]),))
         if d > 1 and zero == 3:
+            blocks, shared = _gathered(st, "blocks_sharded", gb, itemsize), _shared_gathered(st, gb, itemsize)
             if red.gather == "step":
                 # zero3_gather: step: every shard gathered once before the microbatch loop and
                 # kept for the step.
-                out.append(Collective("all-gather", ("data",), st["sharded"] * gb, 1, overlap=True))
+                out.append(Collective("all-gather", ("data",), blocks + shared, 1, overlap=True))
             else:
                 # Per microbatch: each block layer gathered in the forward and again in the
                 # backward pass, the leaves outside the layer scan once.
-                shared = st["sharded"] - st["blocks_sharded"]
-                out.append(Collective("all-gather", ("data",), (2 * st["blocks_sharded"] + shared) * gb, micro,
-                                      overlap=True))
+                out.append(Collective("all-gather", ("data",), 2 * blocks + shared, micro, overlap=True))
     if p > 1:
         sched, table = _schedule(cfg, p)
         ticks = sched.num_ticks()
@@ -97,17 +96,18 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
             rest, rest_sh = shared - staged, shared_sh - staged_sh
             out.append(Collective("all-reduce", ("stage",), (rest - rest_sh + rest_sh / div) * f32))
         if d > 1 and zero == 3:
+            blocks, shared_g = _gathered(st, "blocks_sharded", gb, itemsize), _shared_gathered(st, gb, itemsize)
             if red.gather == "step":
-                out.append(Collective("all-gather", ("data",), st["sharded"] * gb, 1, overlap=True))
+                out.append(Collective("all-gather", ("data",), blocks + shared_g, 1, overlap=True))
             else:
                 # Each chunk's layers gathered where F and B (or I) use them, per microbatch (B's
                 # backward reuses what its recomputed forward gathered, whatever the remat policy:
                 # measured), the shared leaves where the end stages' F and B use them.
                 uses = 2
-                out.append(Collective("all-gather", ("data",), st["blocks_sharded"] * gb, uses * micro, overlap=True,
+                out.append(Collective("all-gather", ("data",), blocks, uses * micro, overlap=True,
                                       static=ticks * uses / v))
                 if shared_sh:
-                    out.append(Collective("all-gather", ("data",), shared_sh * gb, micro, overlap=True, static=ticks))
+                    out.append(Collective("all-gather", ("data",), shared_g, micro, overlap=True, static=ticks))
         if _stage_slots(cfg, p) is not None or par.virtual_stages > 1:
             # Each stage's layer slots by an all-to-all over stage (`pipeline.stash.to_slots`), or
             # the interleaved chunks reordered into pipeline order (GSPMD's all-to-all over stage),
@@ -130,6 +130,17 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
     if count:  # replicated experts: each rank's expert assembled from the slices of every rank
         out.append(Collective("all-to-all", ("data",), volume, count))
     return out
+
+
+def _gathered(st: dict, key: str, gb: float, itemsize: int) -> float:
+    """Bytes one ZeRO-3 gather of the `key` (`blocks_sharded` or `sharded`) shards moves: as stored
+    (times `gb`), but the FP8 matmuls' weights (`fp8_<key>`, `model.fp8`) at 1 byte per element."""
+    return (st[key] - st["fp8_" + key]) * gb + st["fp8_" + key] / itemsize
+
+
+def _shared_gathered(st: dict, gb: float, itemsize: int) -> float:
+    """`_gathered` of the sharded leaves outside the block stacks (embeddings, head, MTP modules)."""
+    return _gathered(st, "sharded", gb, itemsize) - _gathered(st, "blocks_sharded", gb, itemsize)
 
 
 def muon_collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:

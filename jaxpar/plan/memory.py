@@ -22,6 +22,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from jaxpar import model
+from jaxpar.model import fp8
 from jaxpar.config import Config, ConfigError, validate
 from jaxpar.mesh import AXES, check_sizes
 from jaxpar.model.layers import flash_attention_applies
@@ -116,7 +117,9 @@ def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
     over data), `blocks_sharded` (of those, the stacked block leaves), `blocks` (all block leaves),
     `staged` (of `local`, the shared leaves a pipeline stores sharded over `stage`), `experts` (of
     `local`, the expert weights expert parallelism splits over data: this rank's E/d experts,
-    never ZeRO-sharded nor reduced over data; 0 without it, `jaxpar.plan.moe`)."""
+    never ZeRO-sharded nor reduced over data; 0 without it, `jaxpar.plan.moe`), `fp8_sharded` and
+    `fp8_blocks_sharded` (of `sharded` and `blocks_sharded`, the FP8 matmuls' weights, which
+    ZeRO-3 gathers as float8 with `model.fp8`)."""
     layout, mesh = _layout(cfg, shape)
     shapes = model.param_shapes(cfg.model)
     # Adam: two moments in the parameter dtype; with master weights, master and moments in float32
@@ -138,7 +141,8 @@ def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
                         layout.stage_dims, is_leaf=lambda x: isinstance(x, P))
     out = {"params": acct["params"]["per_device"], "grads": acct["grads"]["per_device"],
            "optimizer": acct["optimizer"]["per_device"]}
-    out.update(local=0, sharded=0, blocks_sharded=0, blocks=0, staged=0, staged_sharded=0, experts=0)
+    out.update(local=0, sharded=0, blocks_sharded=0, blocks=0, staged=0, staged_sharded=0, experts=0, fp8_sharded=0,
+               fp8_blocks_sharded=0)
     ep, d = moe_costs.expert_parallel(cfg, mesh.shape["data"]), mesh.shape["data"]
     flat_names = jax.tree.leaves(model.param_names(cfg.model), is_leaf=lambda x: isinstance(x, tuple))
     flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
@@ -167,6 +171,9 @@ def _model_state(cfg: Config, shape: tuple[int, int, int]) -> dict[str, int]:
             out["sharded"] += nbytes
             out["blocks_sharded"] += nbytes * is_block
             out["staged_sharded"] += nbytes * (sdim is not None)
+            if cfg.model.fp8 and fp8.gathered(names):  # ZeRO-3 gathers it as float8 (`fp8.gather`)
+                out["fp8_sharded"] += nbytes
+                out["fp8_blocks_sharded"] += nbytes * is_block
     return out
 
 

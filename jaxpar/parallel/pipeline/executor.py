@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config
-from jaxpar.parallel.gradients import _gather, hand_out, manual_region
+from jaxpar.parallel.gradients import gather_for_step, hand_out, manual_region
 from jaxpar.parallel.pipeline.plan import make_plan, stage_inputs
 from jaxpar.model.transformer import layer_order
 from jaxpar.parallel.pipeline.setup import DATA, MODEL, STAGE, Setup, make_setup
@@ -106,7 +106,7 @@ def stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
               for k, w in params.items()}
     param_fn = hand_out(fp8_gathers=setup.cfg.model.fp8) if setup.reduction.at_use else None  # (ZeRO-3 gathers or ZeRO-2 scatters at use)
     if gather == "step":  # every sharded leaf once per step, kept for the step
-        params = jax.tree.map(_gather, params, layout.zero_dims)
+        params = gather_for_step(setup.cfg, params, layout.zero_dims)
     st = stage_inputs(setup, stage, params, batch)
     rows = {k: jnp.asarray(a) for k, a in setup.table.rows.items()}
     cfg = setup.cfg
