@@ -3,8 +3,8 @@ of each matmul's input and output cotangent come from its amax history (a never-
 the parameters), this step's amaxes leave through the custom VJP and are shifted in after the
 step. Tested: one matmul against a numpy emulation with the history's scale (values above it
 clipped, not NaN), the amaxes it reports, the history's row count per block kind, parity with
-one device (the history too) on (4, 1, 2) and with microbatches, the history's checkpoint round
-trip onto another mesh, and the refusals."""
+one device (the history too) on (4, 1, 2), with microbatches and under pipelines, the history's
+checkpoint round trip onto another mesh, and the refusals."""
 
 from __future__ import annotations
 
@@ -149,10 +149,13 @@ def assert_history_parity(out: dict, ref: dict) -> None:
 
 @pytest.mark.parametrize("mesh, parallel", [
     ((4, 1, 2), dict(zero=3, sequence_parallel=True)),
-], ids=["data4-tp2-sp-zero3"])
+    ((1, 2, 1), dict(schedule="1f1b", microbatches=2)),
+], ids=["data4-tp2-sp-zero3", "1f1b-stage2"])
 def test_parity(mesh, parallel):
-    """Parity with one device on (4, 1, 2) (ZeRO-3's FP8 gathers, TP and SP): losses, gradients
-    and the histories. At step 0 the history is empty (scales 1) on both."""
+    """Parity with one device on (4, 1, 2) (ZeRO-3's FP8 gathers, TP and SP) and on 2 stages of
+    1F1B (its split backward: `fp8.parts`; the tick loop's accumulators take the amaxes' maximum
+    over microbatches): losses, gradients and the histories. At step 0 the history is empty
+    (scales 1) on both."""
     out = run_steps(tiny(mesh, model=DELAYED, **parallel))
     ref = reference()
     assert_fp8_parity(out, ref)
@@ -165,7 +168,11 @@ def test_parity(mesh, parallel):
     ((8, 1, 1), {}, dict(zero=1)),
     ((2, 1, 2), {"n_experts": 4, "experts_per_token": 2, "expert_d_ff": 16}, dict(zero=1, sequence_parallel=True)),
     ((4, 1, 1), {}, dict(zero=3, remat="full", microbatches=2)),
-], ids=["data2-zero2-microbatches2", "data8-zero1", "moe-ep2-tp2", "zero3-remat-full-microbatches2"])
+    ((2, 2, 1), {}, dict(zero=1, schedule="gpipe", microbatches=2)),
+    ((1, 2, 2), {}, dict(schedule="zb_h1", microbatches=2, sequence_parallel=True)),
+    ((1, 2, 1), {"n_layers": 4}, dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)),
+], ids=["data2-zero2-microbatches2", "data8-zero1", "moe-ep2-tp2", "zero3-remat-full-microbatches2",
+        "gpipe-data2-stage2", "zb_h1-stage2-tp2-sp", "interleaved-stage2"])
 def test_parity_slow(mesh, model, parallel):
     """Delayed scales do not depend on a microbatch's rows (unlike current scaling's): with
     microbatches the run is still the one-device run without them; the history is their maximum."""
@@ -209,8 +216,7 @@ def test_the_history_survives_a_checkpoint_onto_another_mesh(tmp_path):
     ({"model": {"fp8": False}}, r"model\.fp8_scaling = delayed needs model\.fp8 = true"),
     ({"parallel": {"data_mode": "naive"}}, r"model\.fp8_scaling = delayed cannot be combined with "
                                            r"parallel\.data_mode = naive"),
-    ({"mesh": {"stage": 2}}, r"model\.fp8_scaling = delayed runs without pipeline stages for now \(mesh\.stage = 2"),
-], ids=["no-history", "no-fp8", "naive", "stages"])
+], ids=["no-history", "no-fp8", "naive"])
 def test_bad_delayed_configs_are_refused(change, message):
     cfg = tiny((1, 1, 1), model=DELAYED)
     with pytest.raises(ConfigError, match=message + r".*; set "):

@@ -309,9 +309,6 @@ def _validate_delayed_fp8(cfg: Config) -> None:
     require(par.data_mode != "naive", "model.fp8_scaling = delayed cannot be combined with parallel.data_mode = "
                                       "naive (its baseline step does not update the amax history); set "
                                       "parallel.data_mode=ddp, or model.fp8_scaling=current.")
-    require(cfg.mesh.stage == 1, f"model.fp8_scaling = delayed runs without pipeline stages for now (mesh.stage = "
-                                 f"{cfg.mesh.stage}: the tick loop's accumulators would sum the amaxes, not take "
-                                 "their maximum); set mesh.stage=1, or model.fp8_scaling=current.")
 
 
 def _validate_qk_clip(cfg: Config) -> None:

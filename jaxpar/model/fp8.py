@@ -207,18 +207,73 @@ def _delayed_bwd(f, i, sites, length, res, g):
     gq = dequantize(quantize(g, E5M2, s[1]), s[1], g.dtype)
     _, pull = jax.vjp(lambda a, b: f(a, b, *rest), dequantize(qx, s[0], like_x.dtype), dequantize(qw, sw, w.dtype))
     dx, dw = pull(gq)
-    # (The history's copies over these axes are summed by the gradient reductions: one reports.)
-    axes = sorted(a for a in set(varying_axes(like_hist)) if a != "stage")
-    amaxes = jnp.where(_first_rank(axes), jnp.stack([ax, amax(g)]), 0.0)
-    ct = jnp.zeros((sites, TENSORS, length), jnp.float32).at[i, :, 0].set(amaxes).reshape(-1)
-    return (dx, dw, vary(ct.astype(like_hist.dtype), varying_axes(like_hist)), *(None for _ in rest))
+    return (dx, dw, _report(i, sites, length, ax, amax(g), like_hist), *(None for _ in rest))
 
 
 _delayed.defvjp(_delayed_fwd, _delayed_bwd)
 
 
+def parts(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, Callable]:
+    """The product as parts, for the pipelines' split backward (`layers.linear`: I computes the
+    input's gradient, W the weight's, each from the dequantized operands and cotangent): (x and w
+    quantized and dequantized, a wrapper of the product's output that quantizes its cotangent),
+    each with a straight-through gradient, so that `out(f(x', w'))` has `apply(f, x, w)`'s value
+    and gradients. Inside a block with a history (delayed scaling) x's and g's scales are the
+    history's and the wrapper reports their amaxes, as `_delayed` does."""
+    hist = _DELAYED.get()
+    if hist is None:
+        return fake_quantize(x), fake_quantize(w), cotangent_in_e5m2
+    i = hist.take()
+    h = vary(hist.flat, (*varying_axes(x), *varying_axes(hist.flat)))
+    s = history_scales(jax.lax.stop_gradient(h).reshape(hist.sites, TENSORS, hist.length)[i])
+    ax = amax(jax.lax.stop_gradient(x))
+    return (_fake_quantize_at(x, s[0]), fake_quantize(w),
+            lambda y: _cotangent_delayed(i, hist.sites, hist.length, y, h, s[1], ax))
+
+
+@jax.custom_vjp
+def _fake_quantize_at(x: jax.Array, s: jax.Array) -> jax.Array:
+    """x quantized to e4m3 with the scale `s` and dequantized; the gradient passes straight through."""
+    return dequantize(quantize(x, E4M3, s), s, x.dtype)
+
+
+_fake_quantize_at.defvjp(lambda x, s: (_fake_quantize_at(x, s), None), lambda _, g: (g, None))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _cotangent_delayed(i, sites, length, y, hist, sg, ax):
+    """y itself; in the backward pass its cotangent quantized to e5m2 with the history's scale
+    `sg`, and the amaxes of x (`ax`) and of the cotangent reported as `hist`'s cotangent."""
+    return y
+
+
+def _cotangent_delayed_fwd(i, sites, length, y, hist, sg, ax):
+    return y, (sg, ax, hist[:0])
+
+
+def _cotangent_delayed_bwd(i, sites, length, res, g):
+    sg, ax, like_hist = res
+    return dequantize(quantize(g, E5M2, sg), sg, g.dtype), _report(i, sites, length, ax, amax(g), like_hist), None, None
+
+
+_cotangent_delayed.defvjp(_cotangent_delayed_fwd, _cotangent_delayed_bwd)
+
+
+def _report(i, sites, length, ax, ag, like_hist) -> jax.Array:
+    """A history's cotangent reporting one matmul's amaxes of x and g: position 0 of row i, zeros
+    elsewhere, on the first rank of the axes the history varies over but `stage` (whose copies the
+    gradient reductions sum), zeros on the others."""
+    axes = sorted(a for a in set(varying_axes(like_hist)) if a != "stage")
+    amaxes = jnp.where(_first_rank(axes), jnp.stack([ax, ag]), 0.0)
+    ct = jnp.zeros((sites, TENSORS, length), jnp.float32).at[i, :, 0].set(amaxes).reshape(-1)
+    return vary(ct.astype(like_hist.dtype), varying_axes(like_hist))
+
+
 def is_history(path) -> bool:
-    """Is this tree path (`jax.tree_util` keys) a block's amax history (`model.fp8_scaling: delayed`)?"""
+    """Is this tree path (`jax.tree_util` keys, or their `keystr`: the pipeline's flat
+    accumulators) a block's amax history (`model.fp8_scaling: delayed`)?"""
+    if isinstance(path, str):
+        return path.endswith(f"['{HISTORY}']")
     return bool(path) and getattr(path[-1], "key", None) == HISTORY
 
 

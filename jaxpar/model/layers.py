@@ -82,9 +82,9 @@ def linear(x: jax.Array, w: jax.Array, k: int = 1) -> jax.Array:
                              "as handed out (a copy was made between `use_params` and `linear`)")
     out = lambda y: y  # noqa: E731
     if fp8.active():  # model.fp8 under the split backward: the same FP8 product, as its parts
-        # (`fp8.fake_quantize`): I's input gradient and W's weight gradient then take the e4m3
-        # operands and the e5m2 cotangent, as `fp8.apply`'s backward does.
-        x, w, out = fp8.fake_quantize(x), fp8.fake_quantize(w), fp8.cotangent_in_e5m2
+        # (`fp8.parts`): I's input gradient and W's weight gradient then take the e4m3 operands
+        # and the e5m2 cotangent, as `fp8.apply`'s backward does.
+        x, w, out = fp8.parts(x, w)
     x2, w2 = _flat(x, w, k)
     if split.taps is None:  # recording the taps' shapes
         split.shapes[path] = (x2.shape, x2.dtype, (x2.shape[0], w2.shape[1]), x2.dtype, tuple(sorted(set(axes))),

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxpar import model
 from jaxpar.model.layers import document_segments, packed, sequence_layout, split_backward, weight_gradient
-from jaxpar.model import mtp, qk_clip
+from jaxpar.model import fp8, mtp, qk_clip
 from jaxpar.model.transformer import REMAT_POLICIES, block_bodies, scan_layers, stack, token_ids
 from jaxpar.parallel import context, microbatches
 from jaxpar.parallel.gradients import _seed, mark_for_use
@@ -335,8 +335,10 @@ def weight_grads(plan, d_taps):
 
 
 def accumulate(acc, grads, k):
-    """`acc[path][k] += grads[path]` in float32, for chunk k's row of each accumulator. (A
+    """`acc[path][k] += grads[path]` in float32, for chunk k's row of each accumulator; an FP8
+    amax history's (`fp8.is_history`) takes the maximum, as `microbatches.add_f32` does. (A
     dynamic-update-slice of the chunk's row, not `.at[k].add`: XLA lowers that scatter to a select
     over the whole row, reading it twice.)"""
-    return {**acc, **{k_: set_row(acc[k_], get_row(acc[k_], k) + g.astype(jnp.float32), k)
-                      for k_, g in grads.items()}}
+    def add(k_, a, g):
+        return jnp.maximum(a, g.astype(jnp.float32)) if fp8.is_history(k_) else a + g.astype(jnp.float32)
+    return {**acc, **{k_: set_row(acc[k_], add(k_, get_row(acc[k_], k), g), k) for k_, g in grads.items()}}
