@@ -191,3 +191,36 @@ def test_an_unknown_moe_kernel_is_refused_before_compiling():
     with pytest.raises(ConfigError, match=r"model.moe_kernel = 'cutlass' is not a grouped-matmul kernel jaxpar has "
                                           r"\(one of auto, ragged_dot, pallas\); set model.moe_kernel=auto\."):
         validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_kernel="cutlass")))
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def largest_arrays(hlo_text: str, n: int = 3) -> list[tuple[int, str]]:
+    """The n largest arrays (bytes, shape) any instruction of a compiled program names."""
+    sizes = {(int(np.prod([int(d) for d in dims.split(",") if d])) * _BYTES[t], f"{t}[{dims}]")
+             for t, dims in re.findall(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]", hlo_text) if t in _BYTES}
+    return sorted(sizes, reverse=True)[:n]
+
+
+@pytest.mark.parametrize("kernel", ["auto", "pallas"])
+def test_the_compiled_layer_holds_the_routed_rows_not_tokens_times_experts(kernel):
+    """Dropless dispatch, forward and backward compiled: no array of the program is as large as
+    [tokens, experts, d_model] (N·E·D = 512·32·64 float32 = 4 MiB). The Pallas kernel's largest is
+    the routed rows' (N·k rows and one tile, 576 KiB for gate and up together); `auto` on CPU
+    (`_blocked`) adds each group's padding to whole blocks of 128 rows (N·k + E·128 rows: 1.25 MiB)."""
+    N, D, F, E, k = 512, 64, 64, 32, 2
+    x = jax.random.normal(jax.random.key(0), (N, D))
+    experts = jax.random.randint(jax.random.key(1), (N, k), 0, E)
+    gates = jnp.full((N, k), 0.5)
+    w = [jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate([(E, D, F), (E, D, F), (E, F, D)], 2)]
+
+    def loss(x, *w):
+        return jnp.sum(moe_lib.experts_dropless(x, experts, gates, *w, kernel=kernel) ** 2)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, *w).compile().as_text()
+    (top, shape), *_ = largest_arrays(text)
+    # pallas: observed f32[1152, 128], the routed rows and one tile more, with the gate and up
+    # products side by side (XLA fuses the two), the only array above the expert stacks.
+    bound = (N * k + E * moe_lib.GROUP_BLOCK) * D * 4 if kernel == "auto" else (N * k + 128) * 2 * F * 4
+    assert top <= bound < N * E * D * 4 // 3, (shape, largest_arrays(text))
