@@ -49,6 +49,7 @@ def syntax_error(text: str) -> str | None:
 
 
 MOE_KERNELS = ("auto", "ragged_dot", "pallas")
+MOE_EXCHANGES = ("auto", "fixed", "ragged")  # (`jaxpar.model.moe_exchange.EXCHANGES`)
 """`model.moe_kernel`'s values (the schema's Literal; checked again here for a ModelConfig built
 without `from_dict`)."""
 
@@ -193,6 +194,9 @@ def validate(cfg: Config) -> None:
     require(m.moe_kernel in MOE_KERNELS,
             f"model.moe_kernel = {m.moe_kernel!r} is not a grouped-matmul kernel jaxpar has (one of "
             f"{', '.join(MOE_KERNELS)}); set model.moe_kernel=auto.")
+    require(m.moe_exchange in MOE_EXCHANGES,
+            f"model.moe_exchange = {m.moe_exchange!r} is not a token exchange jaxpar has (one of "
+            f"{', '.join(MOE_EXCHANGES)}); set model.moe_exchange=auto.")
     if m.n_experts != 0:
         _validate_moe(m)
     else:

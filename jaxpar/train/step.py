@@ -144,6 +144,10 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     if cfg.model.moe and cfg.model.moe_kernel == "pallas" and platform not in ("cpu", "gpu"):
         raise ConfigError(f"model.moe_kernel = pallas runs on GPUs (Triton) and on the CPU (interpreted), but the "
                           f"mesh's devices are {platform}; set model.moe_kernel=auto.")
+    if cfg.model.moe and cfg.model.moe_exchange == "ragged" and platform == "cpu":
+        raise ConfigError("model.moe_exchange = ragged needs a backend that runs jax.lax.ragged_all_to_all (XLA:CPU "
+                          "compiles it but cannot run it); set model.moe_exchange=auto (fixed buffers on the CPU) "
+                          "or fixed.")
     check_host_memory(cfg, mesh.devices.flat[0])
     eos = document_eos(cfg)
     if eos is not None and cfg.model.attention == "cudnn":
