@@ -224,3 +224,36 @@ def test_the_compiled_layer_holds_the_routed_rows_not_tokens_times_experts(kerne
     # products side by side (XLA fuses the two), the only array above the expert stacks.
     bound = (N * k + E * moe_lib.GROUP_BLOCK) * D * 4 if kernel == "auto" else (N * k + 128) * 2 * F * 4
     assert top <= bound < N * E * D * 4 // 3, (shape, largest_arrays(text))
+
+
+@pytest.mark.parametrize("kernel", ["auto", "pallas"])
+def test_the_compiled_expert_parallel_layer_holds_its_buffers_not_tokens_times_experts(kernel):
+    """Expert parallelism (`experts_parallel`, the fixed exchange CPU runs) on 4 data ranks, 32
+    experts (8 per rank), forward and backward compiled: no array of the program is as large as a
+    rank's [tokens, experts, d_model] (N·E·D = 64·32·64 float32 = 512 KiB); the largest is the
+    exchange's receive buffer (4 ranks x N·min(k, 8) rows of d_model: 128 KiB) or its padding to
+    `_blocked`'s blocks (+ 8 local experts x one block of 128 rows, or for Pallas the gate and up
+    products side by side). (Fails for `ragged_dot`, whose CPU lowering is dense over the experts.)"""
+    d, N, D, F, E, k = 4, 64, 64, 64, 32, 2
+    El, rows = E // d, N * k
+    mesh = jax.make_mesh((d,), ("data",), devices=jax.devices()[:d])
+
+    def body(x, experts, gates, *w):
+        return moe_lib.experts_parallel(x, experts, gates, None, *w, n_experts=E, rows=rows, kernel=kernel)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 6, out_specs=P("data"))
+
+    def loss(x, experts, gates, *w):
+        return jnp.sum(f(x, experts, gates, *w) ** 2)
+
+    shard = NamedSharding(mesh, P("data"))
+    args = [jax.ShapeDtypeStruct(s, t, sharding=shard) for s, t in [
+        ((d * N, D), jnp.float32), ((d * N, k), jnp.int32), ((d * N, k), jnp.float32), ((E, D, F), jnp.float32),
+        ((E, D, F), jnp.float32), ((E, F, D), jnp.float32)]]
+    text = jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5))).lower(*args).compile().as_text()
+    # Per-device shapes: the program's arguments (the global x, weights) are sharded into it, so its
+    # arrays are the rank's; the weight stacks (E/d experts of D x F) are the next largest.
+    (top, shape), *_ = largest_arrays(text)
+    buffer = d * rows * D * 4
+    bound = (buffer + El * moe_lib.GROUP_BLOCK * D * 4) if kernel == "auto" else 2 * buffer + 128 * 2 * F * 4
+    assert top <= bound < N * E * D * 4 * 2, (shape, largest_arrays(text))
