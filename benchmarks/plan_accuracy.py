@@ -83,7 +83,7 @@ def run(args) -> int:
         report = analyze(lower_step(cfg, mesh)[0], mesh)
         measured = report.memory.argument_bytes + report.memory.temp_bytes
         pred = memory(cfg, shape, platform="cpu")
-        traffic = compiled_bytes_per_axis(cfg, shape)
+        traffic = compiled_bytes_per_axis(cfg, shape, "cpu")
         row = {"name": name, "case": case, "memory_measured": measured, "memory_predicted": pred,
                "memory_error": pred["total"] / measured - 1, "traffic": {}}
         for axis in ("data", "stage", "model"):

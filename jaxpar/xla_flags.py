@@ -87,6 +87,11 @@ GPU_PRESET: tuple[Setting, ...] = (
     _pipelining("all_gather"),
     _pipelining("reduce_scatter"),
     _pipelining("all_reduce"),
+    # jaxlib 0.10.2's libjax_common.so registers it (scanned, 2026-12-07); XLA's ragged all-to-all
+    # reached about 2% of NVLink bandwidth on 8xB200 without this device kernel (issue 45). It
+    # matters only where `model.moe_exchange` runs the ragged exchange (GPUs, expert parallelism).
+    Setting("the one-shot device kernel of ragged all-to-alls (MoE expert parallelism's ragged exchange)",
+            (Spelling("xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel", "true", _V0100),)),
 )
 
 

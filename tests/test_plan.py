@@ -143,7 +143,7 @@ def test_memory_prediction_matches_the_compiled_step(compiled, name):
 @pytest.mark.parametrize("name", CASES + list(REDUCTION))
 def test_bytes_per_axis_match_the_inspector(compiled, name):
     cfg, shape, report = compiled(name)
-    predicted = compiled_bytes_per_axis(cfg, shape)
+    predicted = compiled_bytes_per_axis(cfg, shape, "cpu")
     for axis in ("data", "stage", "model"):
         measured = report.traffic(spans=axis)
         assert abs(predicted[axis] - measured) <= TRAFFIC_RTOL * measured, (axis, predicted[axis], measured)
@@ -194,7 +194,7 @@ def test_moe_model_axis_and_state_match_the_compiled_step(etp, shared):
     report = analyze(lower_step(cfg, mesh)[0], mesh)
     for axis in ("model", "data"):
         measured = report.traffic(spans=axis)
-        predicted = compiled_bytes_per_axis(cfg, shape)[axis]
+        predicted = compiled_bytes_per_axis(cfg, shape, "cpu")[axis]
         assert abs(predicted - measured) <= TRAFFIC_RTOL * measured, (axis, predicted, measured)
     mem = memory(cfg, shape, platform="cpu")
     assert abs(mem["params"] + mem["optimizer"] + mem["batch"] - report.memory.argument_bytes) <= 64

@@ -70,21 +70,23 @@ def test_zero_does_not_shard_expert_parallel_experts():
     assert mem["gathered_params"] < st["local"] - st["experts"]
 
 
-def all_to_alls(cfg, shape, ids=False):
-    """The planner's all-to-alls; the one of each buffer row's expert id (int32, before each
-    forward's token exchange) only with `ids`."""
-    out = [c for c in costs.collectives(cfg, shape) if c.kind == "all-to-all"]
+def all_to_alls(cfg, shape, ids=False, platform="gpu"):
+    """The planner's all-to-alls on `platform`; the one of each buffer row's expert id (int32,
+    before each forward's fixed token exchange) only with `ids`."""
+    out = [c for c in costs.collectives(cfg, shape, platform) if c.kind == "all-to-all"]
     rows = cfg.train.global_batch // (shape[0] * cfg.parallel.microbatches)
-    id_bytes, id_count = costs_moe.expert_ids(cfg, shape, rows)
+    id_bytes, id_count = costs_moe.expert_ids(cfg, shape, rows, platform)
     return out if ids else [c for c in out if not (c.bytes == id_bytes and c.count == id_count)]
 
 
 @pytest.mark.parametrize("k,capacity,remat,micro", [(2, None, "none", 1), (4, None, "none", 2),
                                                     (2, 1.25, "none", 1), (2, None, "full", 1)])
 def test_all_to_all_bytes(k, capacity, remat, micro):
+    """The fixed exchange's bytes (what runs on CPU, and anywhere with model.moe_exchange=fixed)."""
     d = 4
     cfg = moe((d, 1, 1), k=k, capacity=capacity, remat=remat, microbatches=micro)
-    a2a, ids = sorted(all_to_alls(cfg, (d, 1, 1), ids=True), key=lambda c: -c.bytes)
+    a2a, ids = sorted(all_to_alls(cfg, (d, 1, 1), ids=True, platform="cpu"), key=lambda c: -c.bytes)
+    assert costs_moe.exchange(cfg, "cpu") == "fixed"
     rows = B // (d * micro)
     assert a2a.axes == ids.axes == ("data",) and not a2a.overlap
     # The step's fixed buffers: to each of the d ranks, every token's choices on its E/d = 2
@@ -99,7 +101,37 @@ def test_all_to_all_bytes(k, capacity, remat, micro):
     # the ids once per forward.
     assert a2a.count == L * micro * (4 + 2 * (remat == "full"))
     assert ids.count == L * micro * (1 + (remat == "full"))
-    assert costs.bytes_per_axis(cfg, (d, 1, 1))["data"] >= a2a.bytes * a2a.count
+    assert costs.bytes_per_axis(cfg, (d, 1, 1), "cpu")["data"] >= a2a.bytes * a2a.count
+    # The same bytes on a GPU told to run the fixed exchange.
+    fixed = cfg.replace(model={"moe_exchange": "fixed"})
+    assert [(c.bytes, c.count) for c in all_to_alls(fixed, (d, 1, 1), ids=True)] == \
+        [(c.bytes, c.count) for c in all_to_alls(cfg, (d, 1, 1), ids=True, platform="cpu")]
+
+
+@pytest.mark.parametrize("k,capacity,remat", [(2, None, "none"), (4, None, "full"), (2, 0.75, "none"),
+                                              (2, 1.25, "none")])
+def test_the_ragged_exchange_moves_the_routed_rows(k, capacity, remat):
+    """On GPUs (`model.moe_exchange: auto`, or ragged anywhere) the planner charges what the ragged
+    exchange moves, by the executor's rule (`moe_exchange.routed_rows`): each device's tokens x k
+    rows of d_model (x capacity_factor where it drops assignments), not the worst-case buffers;
+    no expert-id all-to-all, and one all-gather of the ranks' per-expert counts per forward."""
+    d, micro = 4, 2
+    cfg = moe((d, 1, 1), k=k, capacity=capacity, remat=remat, microbatches=micro)
+    assert costs_moe.exchange(cfg, "gpu") == "ragged" == costs_moe.exchange(
+        cfg.replace(model={"moe_exchange": "ragged"}), "cpu")
+    rows = B // (d * micro)
+    [a2a] = all_to_alls(cfg, (d, 1, 1), ids=True)
+    assert a2a.bytes == rows * S * k * min(1.0, capacity or 1.0) * D * 4
+    assert a2a.count == L * micro * (4 + 2 * (remat == "full"))
+    [fixed] = [c for c in all_to_alls(cfg, (d, 1, 1), platform="cpu") if c.bytes > D]
+    # (In capacity mode the fixed buffers hold each expert's capacity: at c = 0.75 what the ragged one moves.)
+    assert fixed.bytes == d * rows * S * min(k, 2) * D * 4 if capacity is None else fixed.bytes >= a2a.bytes
+    counts = [c for c in costs.collectives(cfg, (d, 1, 1)) if c.kind == "all-gather" and c.bytes == d * 8 * 4]
+    assert [(c.axes, c.count) for c in counts] == [(("data",), L * micro * (1 + (remat == "full")))]
+    assert not [c for c in costs.collectives(cfg, (d, 1, 1), "cpu") if c.kind == "all-gather" and c.bytes == d * 8 * 4]
+    # The step time sees the smaller bytes.
+    roof = costs.Roofline(HARDWARE["h100-80gb"], devices=d)
+    assert costs.step_time(cfg, (d, 1, 1), roof)["total"] < costs.step_time(cfg, (d, 1, 1), roof, "cpu")["total"]
 
 
 def test_no_all_to_all_without_expert_parallelism():

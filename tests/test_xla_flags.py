@@ -19,9 +19,11 @@ LEGACY = frozenset({  # what jaxlib 0.10.2 registers of the preset's spellings (
     "xla_gpu_enable_latency_hiding_scheduler", "xla_gpu_all_reduce_combine_threshold_bytes",
     "xla_gpu_all_gather_combine_threshold_bytes", "xla_gpu_reduce_scatter_combine_threshold_bytes",
     "xla_gpu_enable_while_loop_double_buffering", "xla_gpu_enable_pipelined_all_gather",
-    "xla_gpu_enable_pipelined_reduce_scatter", "xla_gpu_enable_pipelined_all_reduce", "xla_dump_to"})
+    "xla_gpu_enable_pipelined_reduce_scatter", "xla_gpu_enable_pipelined_all_reduce", "xla_dump_to",
+    "xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel"})
 NEWER = (LEGACY - {f"xla_gpu_enable_pipelined_{c}" for c in ("all_gather", "reduce_scatter", "all_reduce")}
          | {f"xla_gpu_pipeline_{c}" for c in ("all_gather", "reduce_scatter", "all_reduce")})
+RAGGED = "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=true"
 COMMON = ["--xla_gpu_enable_latency_hiding_scheduler=true", "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
           "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
           "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
@@ -38,13 +40,13 @@ def test_gpu_preset_on_jaxlib_0_10_uses_the_boolean_pipelining_flags():
     choice = resolve("auto", "gpu", (0, 10, 2), LEGACY, "")
     assert list(choice.added) == COMMON + [
         "--xla_gpu_enable_pipelined_all_gather=true", "--xla_gpu_enable_pipelined_reduce_scatter=true",
-        "--xla_gpu_enable_pipelined_all_reduce=true"], choice.added
+        "--xla_gpu_enable_pipelined_all_reduce=true", RAGGED], choice.added
     assert choice.missing == () and choice.kept == ()
 
 
 def test_gpu_preset_prefers_the_newer_spelling_where_jaxlib_registers_it():
     expected = COMMON + ["--xla_gpu_pipeline_all_gather=on", "--xla_gpu_pipeline_reduce_scatter=on",
-                         "--xla_gpu_pipeline_all_reduce=on"]
+                         "--xla_gpu_pipeline_all_reduce=on", RAGGED]
     assert list(resolve("auto", "gpu", (0, 11, 2), NEWER, "").added) == expected
     # A release that registers both spellings gets the newer one only (never the same setting twice).
     assert list(resolve("auto", "gpu", (0, 11, 2), NEWER | LEGACY, "").added) == expected
@@ -54,7 +56,7 @@ def test_a_spelling_is_not_chosen_for_a_version_older_than_its_evidence():
     """jaxlib 0.10.2 cannot hold `xla_gpu_pipeline_*` (its binary lacks them): with the legacy
     spelling gone too, the setting is reported missing, not guessed."""
     choice = resolve("auto", "gpu", (0, 10, 2), NEWER, "")
-    assert list(choice.added) == COMMON
+    assert list(choice.added) == COMMON + [RAGGED]
     assert len(choice.missing) == 3 and all("pipeline" in m for m in choice.missing), choice.missing
     assert "not known to this jaxlib" in choice.describe()
 
@@ -63,6 +65,16 @@ def test_a_flag_the_jaxlib_lacks_is_left_out():
     choice = resolve("auto", "gpu", (0, 10, 2), LEGACY - {"xla_gpu_enable_while_loop_double_buffering"}, "")
     assert not any("double_buffering" in t for t in choice.added)
     assert choice.missing == (GPU_PRESET[4].purpose,)
+
+
+def test_the_ragged_all_to_all_kernel_only_where_the_jaxlib_registers_it():
+    """`xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel` (MoE's ragged exchange): set on
+    GPUs where the scan finds it, reported missing (never passed: XLA would abort) where not."""
+    assert RAGGED in resolve("auto", "gpu", (0, 10, 2), LEGACY, "").added
+    choice = resolve("auto", "gpu", (0, 10, 2), LEGACY - {RAGGED[2:].split("=")[0]}, "")
+    assert not any("ragged" in t for t in choice.added) and choice.missing == (GPU_PRESET[-1].purpose,)
+    assert "ragged all-to-all" in choice.describe()
+    assert resolve("auto", "cpu", (0, 10, 2), LEGACY, "").added == ()
 
 
 def test_user_xla_flags_win_by_name_and_over_every_spelling():

@@ -48,6 +48,12 @@ def syntax_error(text: str) -> str | None:
     return None
 
 
+MOE_KERNELS = ("auto", "ragged_dot", "pallas")
+MOE_EXCHANGES = ("auto", "fixed", "ragged")  # (`jaxpar.model.moe_exchange.EXCHANGES`)
+"""`model.moe_kernel`'s values (the schema's Literal; checked again here for a ModelConfig built
+without `from_dict`)."""
+
+
 def _validate_moe(m: ModelConfig) -> None:
     """The mixture-of-experts keys (`model.n_experts` > 0)."""
     require(m.n_experts > 0, f"model.n_experts = {m.n_experts} must not be negative; set it to 0 for a dense MLP "
@@ -185,6 +191,12 @@ def validate(cfg: Config) -> None:
                                          f"model.seq_len = {m.seq_len}; set it below seq_len (DeepSeek-V3: 1).")
         require(m.mtp_loss_weight >= 0, f"model.mtp_loss_weight = {m.mtp_loss_weight} must not be negative; "
                                         "set it to e.g. 0.3 (DeepSeek-V3), or mtp_depth=0 to train without MTP.")
+    require(m.moe_kernel in MOE_KERNELS,
+            f"model.moe_kernel = {m.moe_kernel!r} is not a grouped-matmul kernel jaxpar has (one of "
+            f"{', '.join(MOE_KERNELS)}); set model.moe_kernel=auto.")
+    require(m.moe_exchange in MOE_EXCHANGES,
+            f"model.moe_exchange = {m.moe_exchange!r} is not a token exchange jaxpar has (one of "
+            f"{', '.join(MOE_EXCHANGES)}); set model.moe_exchange=auto.")
     if m.n_experts != 0:
         _validate_moe(m)
     else:

@@ -175,6 +175,17 @@ class ModelConfig:
     """MoE: null is dropless (every token reaches its k experts). A number c caps each expert at
     ceil(c x seq_len x k / n_experts) tokens per sequence (a group that does not depend on the
     mesh); assignments beyond it are dropped (top-1 choices first, then by position: Switch)."""
+    moe_kernel: Literal["auto", "ragged_dot", "pallas"] = "auto"
+    """MoE: the grouped matmuls of the experts (docs/moe.md, "Kernel choice"): auto (on CPU a scan
+    over blocks of each expert's rows; on GPU and TPU `jax.lax.ragged_dot`, until GPU measurements
+    choose), ragged_dot (`jax.lax.ragged_dot` on every backend; on CPU one dense product with every
+    expert), or pallas (`jaxpar.model.grouped_gemm`: Pallas grouped GEMMs over the routed rows only,
+    forward and both gradients; Triton on GPU, the Pallas interpreter on CPU; not on TPU)."""
+    moe_exchange: Literal["auto", "fixed", "ragged"] = "auto"
+    """MoE under expert parallelism: how tokens travel to their experts' data ranks and back
+    (docs/moe.md, "The exchange"): fixed (a worst-case buffer per rank by all-to-alls; runs
+    everywhere), ragged (`jax.lax.ragged_all_to_all`: only the routed rows; GPUs, not the CPU), or
+    auto (ragged on GPUs, fixed elsewhere). The planner counts the bytes of the one that runs."""
     moe_layers: str = "all"
     """MoE: which layers are MoE (the others have a dense MLP of width d_ff): `all`; `every:N`
     (layers N-1, 2N-1, ...: Qwen2-MoE's decoder_sparse_step, Llama 4's interleave step);

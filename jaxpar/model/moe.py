@@ -36,7 +36,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.model import fp8
+from jaxpar.model import fp8, grouped_gemm, moe_exchange
+from jaxpar.model.moe_exchange import buffer_rows, capacity  # noqa: F401 (the rows' rule lives with the exchange)
 from jaxpar.model.layers import linear, param, sequence, swiglu
 from jaxpar.sharding import (DOT_TAG, constrain, enter_tp, exchange_experts, exit_tp, gather_sequence_shards,
                              sequence_shard_index, sequence_shards, tensor_parallel_size, varying_axes, vary,
@@ -186,11 +187,13 @@ class MoE(nnx.Module):
             rows = buffer_rows(cfg, B, T, shards * (1 if context is None else len(context[0][0])), weights[0].shape[0])
             keep = None if keep_BxTxK is None else keep_BxTxK.reshape(B * T, k)
             y_NxD = experts_parallel(x_NxD, experts_NxK, gates_BxTxK.reshape(B * T, k).astype(dt), keep, *weights,
-                                     n_experts=E, rows=rows, groups=groups)
+                                     n_experts=E, rows=rows, groups=groups, kernel=cfg.moe_kernel,
+                                     exchange=moe_exchange.resolve(cfg.moe_exchange, jax.default_backend()))
         else:
             if keep_BxTxK is not None:
                 gates_BxTxK = gates_BxTxK * keep_BxTxK
-            y_NxD = experts_dropless(x_NxD, experts_NxK, gates_BxTxK.reshape(B * T, k).astype(dt), *weights)
+            y_NxD = experts_dropless(x_NxD, experts_NxK, gates_BxTxK.reshape(B * T, k).astype(dt), *weights,
+                                     kernel=cfg.moe_kernel)
         out_BxTxD = y_NxD.reshape(B, T, D)
         if sequence_shard:  # the routed output is this shard's, whole; shared experts stay tensor-parallel
             return out_BxTxD + (exit_tp(self.shared(enter_tp(x_BxTxD))) if cfg.n_shared_experts else 0)
@@ -243,23 +246,6 @@ def limit_to_groups(cfg: ModelConfig, choice_BxTxE: jax.Array) -> jax.Array:
     return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice_BxTxE.shape)
 
 
-def buffer_rows(cfg: ModelConfig, B: int, T: int, shards: int, local_experts: int) -> int:
-    """Rows of expert parallelism's fixed send buffer per destination rank (`experts_parallel`),
-    for B sequences of T tokens routed on this rank (`shards` sequence shards per sequence, over
-    `model` and context ranks):
-    the worst case, every token's choices on that rank's `local_experts` experts, or in capacity
-    mode every one of them full in every sequence. (The planner counts the same bytes.)"""
-    rows = B * T * min(cfg.experts_per_token, local_experts)
-    if cfg.capacity_factor is not None:
-        rows = min(rows, local_experts * capacity(cfg, T * shards) * B)
-    return rows
-
-
-def capacity(cfg: ModelConfig, seq_len: int) -> int:
-    """Tokens an expert takes per sequence in capacity mode."""
-    return math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token / cfg.n_experts)
-
-
 def keep_mask(cfg: ModelConfig, experts_BxTxK: jax.Array, shards: int = 1, context=None) -> jax.Array:
     """1 where an assignment fits its expert's capacity in its sequence, else 0 (float32). The
     assignments queue choice-major: every token's first choice, in sequence order, then every
@@ -299,22 +285,32 @@ def keep_mask(cfg: ModelConfig, experts_BxTxK: jax.Array, shards: int = 1, conte
 GROUP_BLOCK = 128
 
 
-def grouped(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Array:
+def grouped(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array, kernel: str = "auto") -> jax.Array:
     """Rows grouped by expert (the first sizes[0] rows expert 0's, ...) times their expert's
-    matrix; rows past the groups come out 0. `jax.lax.ragged_dot` where XLA has a ragged dot (GPU,
-    TPU); on CPU jax lowers it to one dense dot of every row with every expert (E times the work),
-    so there it runs blockwise (`_blocked`). Named `DOT_TAG`, so that remat `dots` saves it as it
-    saves a dense matmul's output (its policy does not see either form as a weight matmul)."""
+    matrix; rows past the groups come out 0. `kernel` is `model.moe_kernel` (`_grouped`). Named
+    `DOT_TAG`, so that remat `dots` saves it as it saves a dense matmul's output (its policy does
+    not see any of the forms as a weight matmul)."""
     if fp8.active():  # model.fp8: e4m3 rows and experts (one scale each), an e5m2 output cotangent
         axes = (*varying_axes(x_MxC), *varying_axes(w_ExCxO))
-        return checkpoint_name(fp8.apply(_grouped, vary(x_MxC, axes), vary(w_ExCxO, axes), sizes_E), DOT_TAG)
-    return checkpoint_name(_grouped(x_MxC, w_ExCxO, sizes_E), DOT_TAG)
+        f = functools.partial(_grouped, kernel=kernel)
+        return checkpoint_name(fp8.apply(f, vary(x_MxC, axes), vary(w_ExCxO, axes), sizes_E), DOT_TAG)
+    return checkpoint_name(_grouped(x_MxC, w_ExCxO, sizes_E, kernel), DOT_TAG)
 
 
-def _grouped(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Array:
-    if jax.default_backend() == "cpu":
-        return _blocked(x_MxC, w_ExCxO, sizes_E)
-    return jax.lax.ragged_dot(x_MxC, w_ExCxO, sizes_E)
+def _grouped(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array, kernel: str = "auto") -> jax.Array:
+    """The grouped matmul `model.moe_kernel` names. auto: blockwise on CPU (`_blocked`: jax lowers
+    `ragged_dot` there to one dense dot of every row with every expert, E times the work), and
+    `jax.lax.ragged_dot` on GPU and TPU (XLA:GPU's dense rewrite of it is slow, docs/moe.md, but no
+    GPU has measured the Pallas kernel against it yet: the choice waits for those figures).
+    pallas: `grouped_gemm.gmm`, the routed rows only, forward and both gradients."""
+    if kernel == "pallas":
+        axes = (*varying_axes(x_MxC), *varying_axes(w_ExCxO))
+        return grouped_gemm.gmm(vary(x_MxC, axes), vary(w_ExCxO, axes), sizes_E)
+    if kernel == "ragged_dot" or (kernel == "auto" and jax.default_backend() != "cpu"):
+        return jax.lax.ragged_dot(x_MxC, w_ExCxO, sizes_E)
+    if kernel != "auto":
+        raise ValueError(f"model.moe_kernel = {kernel!r} is none of auto, ragged_dot, pallas")
+    return _blocked(x_MxC, w_ExCxO, sizes_E)
 
 
 def _blocked(x_MxC: jax.Array, w_ExCxO: jax.Array, sizes_E: jax.Array) -> jax.Array:
@@ -402,17 +398,19 @@ def _blocked_bwd(res, g_MxO):
 _blocked_vjp.defvjp(_blocked_fwd, _blocked_bwd)
 
 
-def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD) -> jax.Array:
+def experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
+                     kernel: str = "auto") -> jax.Array:
     """sum_j gate_j x expert_{e_j}(x) for every token: the N*k assignments sorted by expert, each
-    expert's SwiGLU as grouped matmuls over its run of rows, and the rows put back in order."""
+    expert's SwiGLU as grouped matmuls over its run of rows (`kernel`: `grouped`), and the rows
+    put back in order."""
     N, k = experts_NxK.shape
     E = w_gate_ExDxF.shape[0]
     flat = experts_NxK.reshape(N * k)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = x_NxD[order // k]
-    h = swiglu(grouped(xs, w_gate_ExDxF, sizes), grouped(xs, w_up_ExDxF, sizes))
-    ys = grouped(h, w_down_ExFxD, sizes)
+    h = swiglu(grouped(xs, w_gate_ExDxF, sizes, kernel), grouped(xs, w_up_ExDxF, sizes, kernel))
+    ys = grouped(h, w_down_ExFxD, sizes, kernel)
     y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
     return jnp.einsum("nkd,nk->nd", y.reshape(N, k, -1), gates_NxK)
 
@@ -440,15 +438,17 @@ def replica_groups(n_experts: int, d: int) -> list[list[int]]:
 
 
 def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_down, *, n_experts: int, rows: int,
-                     groups: list[list[int]] | None = None) -> jax.Array:
+                     groups: list[list[int]] | None = None, kernel: str = "auto", exchange: str = "fixed") -> jax.Array:
     """`experts_dropless` with the experts split over the data ranks (this rank holds
-    experts [r·El, (r+1)·El), El = n_experts / d): each assignment travels to its expert's rank
-    by an all-to-all, the rank runs its experts as grouped matmuls over what arrived from every
-    rank, and the results travel back by a second all-to-all (their transposes, two more, in the
-    backward pass). A fixed buffer of `rows` rows per destination rank (XLA:CPU has no ragged
-    all-to-all): the worst case, so no assignment is ever dropped; dropped ones (capacity mode,
-    `keep_NxK` 0) are not sent. With `groups` (replicated experts, `replica_groups`) the
-    all-to-alls run within this rank's group of n_experts ranks, one expert each."""
+    experts [r·El, (r+1)·El), El = n_experts / d): each assignment travels to its expert's rank,
+    the rank runs its experts as grouped matmuls over what arrived from every rank, and the
+    results travel back (and in the backward pass the transposes, the same exchanges reversed).
+    `exchange` (`jaxpar.model.moe_exchange`): fixed, a buffer of `rows` rows per destination rank
+    (the worst case, so no assignment is ever dropped) by all-to-alls; ragged, only the routed
+    rows, by ragged all-to-alls. Dropped assignments (capacity mode, `keep_NxK` 0) are not sent.
+    With `groups` (replicated experts, `replica_groups`) the exchange runs within this rank's
+    group of n_experts ranks, one expert each. One argsort per layer (the sender's, by expert):
+    the receiver groups its rows by local expert without sorting."""
     N, k = experts_NxK.shape
     D = x_NxD.shape[1]
     El = w_gate.shape[0]
@@ -456,6 +456,17 @@ def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_do
     axes = varying_axes(x_NxD)
     flat = experts_NxK.reshape(N * k)
     valid = jnp.ones((N * k,), bool) if keep_NxK is None else keep_NxK.reshape(N * k) > 0
+
+    def local_experts(xs, sizes):
+        h = swiglu(grouped(xs, w_gate, sizes, kernel), grouped(xs, w_up, sizes, kernel))
+        return grouped(h, w_down, sizes, kernel)
+
+    if exchange == "ragged":
+        y = moe_exchange.experts_ragged(x_NxD, flat, valid, local_experts, n_experts=n_experts,
+                                        recv_rows=d * rows, groups=groups)
+        return jnp.einsum("nkd,nk->nd", y.reshape(N, k, D), gates_NxK)
+    if exchange != "fixed":
+        raise ValueError(f"exchange = {exchange!r} is neither fixed nor ragged (moe_exchange.resolve)")
     dest = jnp.where(valid, flat // El, d)  # d: not sent
     # Each assignment's row in its destination's buffer: its place among the valid assignments
     # to that rank, in order of expert (so that each rank's rows arrive grouped by expert).
@@ -470,12 +481,15 @@ def experts_parallel(x_NxD, experts_NxK, gates_NxK, keep_NxK, w_gate, w_up, w_do
     send_e = vary(jnp.full((d * rows,), El, jnp.int32), axes).at[index].set(flat % El, mode="drop")
     recv = exchange_experts(send, groups)  # [d * rows, D]: rows from rank 0, 1, ...
     recv_e = exchange_experts(send_e, groups)  # the local expert of each row; El: an empty row
-    local = jnp.argsort(recv_e, stable=True)  # grouped by local expert, empty rows last
-    sizes = jnp.sum(jax.nn.one_hot(recv_e, El, dtype=jnp.int32), axis=0)
-    xs = recv[local]
-    h = swiglu(grouped(xs, w_gate, sizes), grouped(xs, w_up, sizes))
-    ys = grouped(h, w_down, sizes)
-    y_recv = jnp.zeros_like(ys).at[local].set(ys, unique_indices=True)
+    # Each row's place in local-expert order, stable (a counting sort: its expert's run start
+    # plus the rows of that expert before it, not a second argsort), the empty rows nowhere.
+    onehot = jax.nn.one_hot(recv_e, El, dtype=jnp.int32)  # [d * rows, El]; all 0 for an empty row
+    sizes = jnp.sum(onehot, axis=0)
+    before = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    place = jnp.where(recv_e < El, (jnp.cumsum(sizes) - sizes)[jnp.minimum(recv_e, El - 1)] + before, d * rows)
+    xs = jnp.zeros_like(recv).at[place].set(recv, mode="drop", unique_indices=True)
+    ys = local_experts(xs, sizes)
+    y_recv = jnp.where((recv_e < El)[:, None], jnp.take(ys, jnp.minimum(place, d * rows - 1), axis=0), 0)
     back = exchange_experts(y_recv, groups)  # each row back where it was sent from
     y = jnp.where(valid[:, None], jnp.take(back, jnp.minimum(index, d * rows - 1), axis=0), 0)
     return jnp.einsum("nkd,nk->nd", y.reshape(N, k, D), gates_NxK)

@@ -39,9 +39,10 @@ class Collective:
         return per * self.bytes * self.count
 
 
-def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
-    """The collectives of one step of `cfg` on a mesh of `shape` (scalars such as the loss and the
-    gradient norm's partial sums left out: a few bytes)."""
+def collectives(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> list[Collective]:
+    """The collectives of one step of `cfg` on a mesh of `shape` on `platform` (which decides MoE's
+    token exchange: `jaxpar.plan.moe.exchange`) (scalars such as the loss and the gradient norm's
+    partial sums left out: a few bytes)."""
     d, p, t = shape
     m, par = cfg.model, cfg.parallel
     st = model_state(cfg, shape)
@@ -122,10 +123,14 @@ def collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collective]:
         out += _tensor_collectives(cfg, rows, t, sp, act_size, p, d)
     out += context_collectives(cfg, shape)
     out += muon_collectives(cfg, shape)
-    volume, count = moe_costs.all_to_all(cfg, shape, rows, act_size)
+    volume, count = moe_costs.all_to_all(cfg, shape, rows, act_size, platform)
     if count:  # tokens to their experts and back: the expert compute waits on them (exposed)
         out.append(Collective("all-to-all", ("data",), volume, count))
-        out.append(Collective("all-to-all", ("data",), *moe_costs.expert_ids(cfg, shape, rows)))
+        ids, counts = moe_costs.expert_ids(cfg, shape, rows, platform), moe_costs.expert_counts(cfg, shape, platform)
+        if ids[1]:  # the fixed exchange: each buffer row's local expert
+            out.append(Collective("all-to-all", ("data",), *ids))
+        if counts[1]:  # the ragged exchange: every rank's per-expert counts
+            out.append(Collective("all-gather", ("data",), *counts))
     volume, count, _ = moe_costs.assembled_experts(cfg, shape, act_size)
     if count:  # replicated experts: each rank's expert assembled from the slices of every rank
         out.append(Collective("all-to-all", ("data",), volume, count))
@@ -318,18 +323,19 @@ def _data_reductions(cfg: Config, red, gb: float, groups, static: float | None =
     return out
 
 
-def bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]:
+def bytes_per_axis(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> dict[str, float]:
     """Result bytes of the collectives of one step on each axis (a collective spanning two axes
     counts on both), as `jaxpar.inspect.Report.traffic(spans=axis)` reads them from the HLO."""
     out = {a: 0.0 for a in AXES}
-    for c in collectives(cfg, shape):
+    for c in collectives(cfg, shape, platform):
         for a in c.axes:
             out[a] += c.bytes * c.count
     return out
 
 
-def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[str, float]:
-    """`bytes_per_axis` as the HLO states it statically, which is what `jaxpar.inspect` counts.
+def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> dict[str, float]:
+    """`bytes_per_axis` as the HLO states it statically, which is what `jaxpar.inspect` counts
+    (`platform`: the one the program was compiled for; cpu for jaxpar's tests).
 
     The two differ inside a pipeline: there the executor's F and B sit in `lax.cond`s evaluated
     every tick, and the inspector counts every branch as taken in every tick (an upper bound),
@@ -339,7 +345,7 @@ def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int]) -> dict[st
     head, backward) and B of the others (forward without the last sub-layer's collective, whose
     result the vjp drops, and backward); remat adds the recomputed forward to both B branches."""
     out = {a: 0.0 for a in AXES}
-    for c in collectives(cfg, shape):
+    for c in collectives(cfg, shape, platform):
         for a in c.axes:
             out[a] += c.bytes * (c.count if c.static is None else c.static)
     d, p, t = shape

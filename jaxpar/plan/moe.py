@@ -44,7 +44,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxpar import model
-from jaxpar.model.moe import buffer_rows
+from jaxpar.model.moe_exchange import resolve as exchange_of, routed_rows
 from jaxpar.parallel.stages import valid_stage_layout
 from jaxpar.sharding import expert_replicas
 
@@ -88,12 +88,20 @@ def recomputes_experts(remat: str) -> bool:
     return remat in ("full", "dots_except_mlp")
 
 
-def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
+def exchange(cfg, platform: str) -> str:
+    """The token exchange the step runs on `platform` (`model.moe_exchange`, resolved as the
+    executor resolves it: `jaxpar.model.moe_exchange.resolve`): fixed or ragged."""
+    return exchange_of(cfg.model.moe_exchange, platform)
+
+
+def all_to_all(cfg, shape, rows: int, act_size: int, platform: str = "gpu") -> tuple[float, int]:
     """(result bytes per device of one all-to-all of tokens, how many per step) of expert
-    parallelism on `data`: the step's fixed buffers (`moe.buffer_rows` rows of d_model per
-    destination rank of the exchange: every rank, or with replicas the E ranks of its group), up
-    to d·min(k, E/d)/k times the (tokens on the device) x k x d_model of a ragged all-to-all; 4 per
-    MoE layer of this device (MoE layers / stage) per microbatch, 2 more per recomputed forward.
+    parallelism on `data`, of the exchange that runs on `platform` (`exchange`), by the executor's
+    rule (`moe_exchange.routed_rows`): fixed, the step's worst-case buffers (`buffer_rows` rows of
+    d_model per destination rank of the exchange: every rank, or with replicas the E ranks of its
+    group), d·min(k, E/d)/k times dropless's; ragged, the routed rows, (tokens on the device) x k
+    x d_model (x capacity_factor below 1); 4 per MoE layer of this device (MoE layers / stage)
+    per microbatch, 2 more per recomputed forward.
     `rows`: the device's B/(d·m) sequences; under context parallelism (c > 1) it routes B·c/(d·m)
     rows of T/c tokens, each one of c·(model shards) shards of its sequence, as the step's
     `buffer_rows` counts them. (0, 0) without expert parallelism."""
@@ -106,19 +114,35 @@ def all_to_all(cfg, shape, rows: int, act_size: int) -> tuple[float, int]:
     rows, seq, shards = rows * c, seq // c, shards * c
     local = max(1, m.n_experts // d)
     ranks = m.n_experts // local  # of the exchange: d, or E with replicas
-    volume = ranks * buffer_rows(m, rows, seq, shards, local) * m.d_model * act_size
+    volume = routed_rows(m, rows, seq, shards, local, exchange(cfg, platform)) * m.d_model * act_size
     layers = moe_layers_on_stage(cfg, p)
     return volume, layers * par.microbatches * (4 + 2 * recomputes_experts(par.remat))
 
 
-def expert_ids(cfg, shape, rows: int) -> tuple[float, int]:
+def expert_ids(cfg, shape, rows: int, platform: str = "gpu") -> tuple[float, int]:
     """(result bytes per device, how many per step) of the all-to-all of each buffer row's local
-    expert (int32) that precedes every forward's token exchange; (0, 0) without expert parallelism."""
-    volume, count = all_to_all(cfg, shape, rows, 4)  # (the token buffers' bytes at 4 per element: / d_model, 4 per row)
+    expert (int32) that precedes every forward's fixed token exchange; (0, 0) without expert
+    parallelism or under the ragged exchange (`expert_counts`)."""
+    if exchange(cfg, platform) == "ragged":
+        return 0.0, 0
+    volume, count = all_to_all(cfg, shape, rows, 4, platform)  # (the buffers' bytes at 4 per element: / d_model, 4 per row)
     if not count:
         return 0.0, 0
     forwards = 1 + recomputes_experts(cfg.parallel.remat)
     return volume / cfg.model.d_model, moe_layers_on_stage(cfg, shape[1]) * cfg.parallel.microbatches * forwards
+
+
+def expert_counts(cfg, shape, platform: str = "gpu") -> tuple[float, int]:
+    """(result bytes per device, how many per step) of the all-gather of every rank's per-expert
+    counts (E int32 from each of the exchange's ranks) that precedes every forward's ragged token
+    exchange (`moe_exchange.ragged_plan`); (0, 0) without expert parallelism or under the fixed one."""
+    d, p, _ = shape
+    m = cfg.model
+    if not expert_parallel(cfg, d) or exchange(cfg, platform) != "ragged":
+        return 0.0, 0
+    ranks = m.n_experts // max(1, m.n_experts // d)
+    forwards = 1 + recomputes_experts(cfg.parallel.remat)
+    return float(ranks * m.n_experts * 4), moe_layers_on_stage(cfg, p) * cfg.parallel.microbatches * forwards
 
 
 def moe_layers_on_stage(cfg, p: int) -> int:

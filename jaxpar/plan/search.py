@@ -35,6 +35,8 @@ class Estimate:
     time: dict[str, float]
     mfu: float
     fits: bool
+    platform: str = "gpu"
+    """Where the step runs (`memory`'s and `collectives`' platform)."""
 
     def to_dict(self, rank: int | None = None) -> dict[str, Any]:
         """One layout's JSON object (`python -m jaxpar.plan --json`'s rows, `--evaluate --json`):
@@ -45,7 +47,7 @@ class Estimate:
                 "memory_bytes": self.memory, "flops_per_step": self.flops_per_step,
                 "bytes_per_step": self.bytes_per_step,
                 "collectives": [{"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "count": c.count}
-                                for c in collectives(self.cfg, self.shape)],
+                                for c in collectives(self.cfg, self.shape, self.platform)],
                 "step_time_s": self.time["total"],
                 "step_time_parts_s": self.time, "mfu": self.mfu, "fits": self.fits}
 
@@ -55,11 +57,12 @@ def estimate(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform:
     mem = memory(cfg, shape, platform)
     tokens = cfg.train.global_batch * cfg.model.seq_len
     flops = model_flops_per_token(cfg) * tokens
-    t = step_time(cfg, shape, roof)
+    t = step_time(cfg, shape, roof, platform)
     hw = roof.hardware
     peak = hw.peak_flops if cfg.model.dtype in ("bfloat16", "float16") else hw.peak_flops_fp32
     mfu = flops / (t["total"] * peak * math.prod(shape))
-    return Estimate(cfg, shape, mem, flops, bytes_per_axis(cfg, shape), t, mfu, mem["total"] <= hw.memory_bytes)
+    return Estimate(cfg, shape, mem, flops, bytes_per_axis(cfg, shape, platform), t, mfu, mem["total"] <= hw.memory_bytes,
+                    platform)
 
 
 def layout_shape(cfg: Config, devices: int | None = None) -> tuple[int, int, int]:

@@ -215,7 +215,7 @@ def compute_floor(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> f
     return hardware_flops_per_token(cfg, p) * cfg.train.global_batch * m.seq_len / (d * p * t) / peak
 
 
-def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[str, float]:
+def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform: str = "gpu") -> dict[str, float]:
     """Predicted seconds per step, by part:
 
     - compute: the hardware FLOPs of each device at `Roofline.efficiency` of the dense peak (the
@@ -261,7 +261,7 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline) -> dict[
         compute = flops / peak
     exposed = {"data": 0.0, "stage": 0.0, "model": 0.0}
     hidden = 0.0
-    for c in collectives(cfg, shape):
+    for c in collectives(cfg, shape, platform):
         n = math.prod(dict(zip(AXES, shape))[a] for a in c.axes) if c.group is None else c.group
         if c.group is None:
             bw = roof.bandwidth(max(c.axes, key=lambda a: {"model": 0, "stage": 1, "data": 2}[a]), shape)

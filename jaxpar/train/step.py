@@ -141,6 +141,13 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
     if cfg.model.attention == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attention = cudnn needs an NVIDIA GPU, but the mesh's devices are {platform}; "
                           "set model.attention=auto (cuDNN where it can run, XLA elsewhere) or xla.")
+    if cfg.model.moe and cfg.model.moe_kernel == "pallas" and platform not in ("cpu", "gpu"):
+        raise ConfigError(f"model.moe_kernel = pallas runs on GPUs (Triton) and on the CPU (interpreted), but the "
+                          f"mesh's devices are {platform}; set model.moe_kernel=auto.")
+    if cfg.model.moe and cfg.model.moe_exchange == "ragged" and platform == "cpu":
+        raise ConfigError("model.moe_exchange = ragged needs a backend that runs jax.lax.ragged_all_to_all (XLA:CPU "
+                          "compiles it but cannot run it); set model.moe_exchange=auto (fixed buffers on the CPU) "
+                          "or fixed.")
     check_host_memory(cfg, mesh.devices.flat[0])
     check_fp8_device(cfg, mesh.devices.flat[0])
     eos = document_eos(cfg)
