@@ -86,6 +86,10 @@ GPU_MODEL = ("model.arch=llama", "model.n_layers=8", "model.d_model=1024", "mode
              "train.global_batch=4", "parallel.remat=none")
 GPU_CASES = (("mixtral_style", (1, 1, 1), ("model.n_experts=8", "model.experts_per_token=2", "model.expert_d_ff=2816")),
              ("fine_grained", (1, 1, 1), ("model.n_experts=64", "model.experts_per_token=8", "model.expert_d_ff=704")),
+             ("mixtral_style_pallas", (1, 1, 1), ("model.n_experts=8", "model.experts_per_token=2",
+                                                  "model.expert_d_ff=2816", "model.moe_kernel=pallas")),
+             ("fine_grained_pallas", (1, 1, 1), ("model.n_experts=64", "model.experts_per_token=8",
+                                                 "model.expert_d_ff=704", "model.moe_kernel=pallas")),
              ("dense", (1, 1, 1), ("model.n_experts=0", "model.d_ff=5632")))
 GPU_MICRO = ((16384, 1024, 8, 2, 2816), (16384, 1024, 64, 8, 704), (32768, 2048, 8, 2, 5632))
 
@@ -261,22 +265,32 @@ def experts_dense_loop(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down):
 
 
 def experts_ragged_dot(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down):
-    """`experts_dropless` with its grouped matmuls as plain `jax.lax.ragged_dot` (what
-    `jaxpar.model.moe.grouped` runs off CPU): `grouped` is swapped while this traces and put back
-    after."""
+    """`experts_dropless` with its grouped matmuls as plain `jax.lax.ragged_dot` on every backend
+    (`model.moe_kernel: ragged_dot`; what `auto` runs off CPU)."""
+    from jaxpar.model.moe import experts_dropless
+
+    return experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down, kernel="ragged_dot")
+
+
+def experts_pallas(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down):
+    """`experts_dropless` with jaxpar's Pallas grouped GEMMs (`model.moe_kernel: pallas`)."""
+    from jaxpar.model.moe import experts_dropless
+
+    return experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down, kernel="pallas")
+
+
+def rows_one_matrix(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down):
+    """Not an MoE: the same N*k rows (each token repeated k times) through expert 0's SwiGLU as
+    dense GEMMs, the FLOPs of an ideal grouped GEMM: issue 45's "dense GEMM at the same total
+    rows" (the grouped GEMMs' target is 70% of its TFLOP/s). Not checked against the loop."""
     import jax
-    import jaxpar.model.moe as moe
+    import jax.numpy as jnp
 
-    saved = moe.grouped
-    moe.grouped = jax.lax.ragged_dot
-    try:
-        return moe.experts_dropless(x_NxD, experts_NxK, gates_NxK, w_gate, w_up, w_down)
-    finally:
-        moe.grouped = saved
-
-
-# The variants of part 2, in timing order; every one against `dense_loop`.
-VARIANTS = ("grouped", "ragged_dot", "dense_loop")
+    k = experts_NxK.shape[1]
+    xs = jnp.repeat(x_NxD, k, axis=0)
+    h = jax.nn.silu(xs @ w_gate[0]) * (xs @ w_up[0])
+    y = (h @ w_down[0]).reshape(x_NxD.shape[0], k, -1)
+    return jnp.einsum("nkd,nk->nd", y, gates_NxK)
 
 
 def micro(sizes, reps: int, dtype: str = "float32") -> list[dict]:
@@ -321,6 +335,9 @@ def micro(sizes, reps: int, dtype: str = "float32") -> list[dict]:
 
         fns = {"grouped": fwd_bwd(experts_dropless), "ragged_dot": fwd_bwd(experts_ragged_dot),
                "dense_loop": fwd_bwd(experts_dense_loop)}
+        if not on_cpu:  # (on CPU the Pallas kernel runs interpreted: Python, not a kernel, timed)
+            fns.update(pallas=fwd_bwd(experts_pallas), rows_one_matrix=fwd_bwd(rows_one_matrix))
+        checked = [name for name in fns if name not in ("dense_loop", "rows_one_matrix")]
         # jax lowers ragged_dot to XLA's ragged-dot instruction on GPU and TPU only; elsewhere (CPU) to
         # a dense dot of the rows masked per group: every row against every group's weights. jaxpar's
         # `grouped` runs blockwise on CPU (`_blocked`: each expert's rows padded to blocks of
@@ -343,7 +360,7 @@ def micro(sizes, reps: int, dtype: str = "float32") -> list[dict]:
             continue
         ref = jax.tree.leaves(outs["dense_loop"])
         max_err, check_failed = {}, {}
-        for name in ("grouped", "ragged_dot"):
+        for name in checked:
             got = jax.tree.leaves(outs[name])
             for a, b in zip(got, ref):
                 try:
@@ -375,7 +392,10 @@ def micro(sizes, reps: int, dtype: str = "float32") -> list[dict]:
                "check_failed": check_failed,
                "ideal_tflops_per_s": {name: 3 * m * 6 * d * f / med[name] / 1e12 for name in fns},
                "median_s": med, "times_s": times, "max_abs_diff_vs_dense_loop": max_err,
-               "over_dense_loop": {name: med[name] / med["dense_loop"] for name in ("grouped", "ragged_dot")},
+               "over_dense_loop": {name: med[name] / med["dense_loop"] for name in checked},
+               # issue 45: each grouped form's TFLOP/s over one dense GEMM's at the same rows (GPU only)
+               "over_rows_one_matrix": ({name: med["rows_one_matrix"] / med[name] for name in checked}
+                                        if "rows_one_matrix" in med else None),
                "ragged_dot_over_grouped": med["ragged_dot"] / med["grouped"],
                "grouped_lowering": (f"blockwise scan over blocks of {b} rows" if blockwise
                                     else "ragged-dot instruction" if "ragged_dot" in text["grouped"] else "other"),
@@ -482,6 +502,16 @@ def markdown_gpu(rows: list[dict], micro_rows: list[dict], machine: dict, cfg, c
                      f"{tf['grouped']:.0f} | {tf['dense_loop']:.0f} | {r['over_dense_loop']['grouped']:.2f}× | "
                      f"{max(r['max_abs_diff_vs_dense_loop'].values()):.1e}"
                      f"{' (CHECK FAILED)' if r['check_failed'] else ''} |\n")
+        if any(r.get("over_rows_one_matrix") for r in micro_rows):  # issue 45: against one dense GEMM
+            text += ("\n| tokens | E | k | F | pallas (ms) | one dense GEMM's rows (ms) | grouped / dense GEMM "
+                     "TFLOP/s | ragged_dot / dense | pallas / dense (target ≥ 0.70) |\n|---:|---:|---:|---:|---:|---:|"
+                     "---:|---:|---:|\n")
+            for r in micro_rows:
+                o = r.get("over_rows_one_matrix")
+                if o:
+                    text += (f"| {r['tokens']} | {r['experts']} | {r['k']} | {r['expert_d_ff']} | "
+                             f"{r['median_s']['pallas'] * 1e3:.2f} | {r['median_s']['rows_one_matrix'] * 1e3:.2f} | "
+                             f"{o['grouped']:.2f} | {o['ragged_dot']:.2f} | {o['pallas']:.2f} |\n")
         text += (f"\nJitted forward + backward (gradients of x and the three weight stacks) in "
                  f"{micro_rows[0].get('dtype', '?')}, median of {micro_rows[0].get('reps', '?')} calls each, the three "
                  f"alternated. `grouped` (jaxpar's) lowered as: {micro_rows[0].get('grouped_lowering', '?')}. TFLOP/s count the FLOPs a "
