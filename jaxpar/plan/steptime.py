@@ -22,7 +22,7 @@ from jaxpar.plan.memory import _BYTES, _cached_schedule, model_state, muon_deal,
 @functools.lru_cache(maxsize=4096)
 def _simulated(name: str, p: int, m: int, v: int, b_over_f: float) -> tuple[float, float]:
     """(time in units of F, bubble fraction) of a schedule simulated with F = 1, B = b_over_f."""
-    from jaxpar.parallel.pipeline.schedules import simulate
+    from jaxpar.parallel.pipeline.simulate import simulate
     sim = simulate(_cached_schedule(name, p, m, v)[0], 1.0, b_over_f)
     return sim.total_time, sim.bubble_fraction
 
