@@ -54,10 +54,11 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from jaxpar.errors import JaxparError
+from jaxpar.parallel.pipeline import placement as _placement
+from jaxpar.parallel.pipeline.placement import PLACEMENTS
 from jaxpar.parallel.pipeline.vshape import V_SCHEDULES, dualpipe_v_programs, zb_v_programs
 
 SCHEDULES = ("gpipe", "1f1b", "1f1b_lockstep", "1f1b_one_action", "interleaved_1f1b", "zb_h1", *V_SCHEDULES)
-PLACEMENTS = ("interleaved", "v")
 KINDS = ("F", "B", "I", "W")
 _LANE = {"F": 0, "B": 1, "I": 1, "W": 2}  # per stage and tick: one F, one of B/I, one W
 
@@ -93,17 +94,15 @@ class Schedule:
     placement: str = "interleaved"  # or "v": stage s holds chunks s and 2p-1-s (v = 2)
 
     def stage_of(self, chunk: int) -> int:
-        p = self.stages
-        return chunk % p if self.placement != "v" else min(chunk, 2 * p - 1 - chunk)
+        return _placement.stage_of(chunk, self.stages, self.placement)
 
     def chunk_at(self, stage: int, local: int) -> int:
         """The global chunk that is local chunk `local` of `stage` (`stage_of`'s inverse)."""
-        p = self.stages
-        return local * p + stage if self.placement != "v" or local == 0 else 2 * p - 1 - stage
+        return _placement.chunk_at(stage, local, self.stages, self.placement)
 
     def lane_of(self, chunk: int) -> int:
         """The receive lane of messages to `chunk`: 1 for V's second half, else 0 (see the module)."""
-        return int(self.placement == "v" and chunk >= self.stages)
+        return _placement.lane_of(chunk, self.stages, self.placement)
 
     def num_ticks(self) -> int:
         return len(self.ticks)

@@ -54,6 +54,8 @@ class Row(NamedTuple):
     w_wstash: jax.Array
     f_recv: jax.Array    # the fwd_buf slot an arriving activation lands in (-1: none)
     b_recv: jax.Array    # the bwd_buf slot an arriving gradient lands in (-1: none)
+    f_recv2: jax.Array   # the same for the second lane (the V's second half; -1 under other placements)
+    b_recv2: jax.Array
 
 
 def read_row(row: dict, stage: jax.Array) -> Row:
@@ -62,7 +64,8 @@ def read_row(row: dict, stage: jax.Array) -> Row:
                b_valid=r["b_valid"], i_valid=r["i_valid"], bi_chunk=r["b_chunk"] + r["i_chunk"],
                bi_in=r["b_in"] + r["i_in"], bi_stash=r["b_stash"] + r["i_stash"], i_stash=r["i_stash"],
                i_wstash=r["i_wstash"], w_valid=r["w_valid"], w_chunk=r["w_chunk"], w_stash=r["w_stash"],
-               w_wstash=r["w_wstash"], f_recv=r["f_recv"], b_recv=r["b_recv"])
+               w_wstash=r["w_wstash"], f_recv=r["f_recv"], b_recv=r["b_recv"], f_recv2=r["f_recv2"],
+               b_recv2=r["b_recv2"])
 
 
 def _maxima_axes(plan: StagePlan, key: str) -> tuple:
@@ -155,17 +158,42 @@ def add_maxima(acc: dict, maxima: dict, k: jax.Array) -> dict:
             for key, a in acc.items()}
 
 
-def hop(plan, r: Row, y, dx, fwd_buf, bwd_buf):
-    """One hop per tick: F's output to the next stage, B's or I's input gradient to the previous
-    one; the row says which slot each arrival lands in (-1: nothing arrives). (Under a cond, not a
-    select with the row's old contents: a tick where nothing arrives neither reads nor writes the
-    buffer.)"""
+def _land(buf, x, slot):
+    """`x` into row `slot` of `buf` where `slot` >= 0. (Under a cond, not a select with the row's
+    old contents: a tick where nothing arrives neither reads nor writes the buffer.)"""
+    return jax.lax.cond(slot >= 0, lambda b: set_row(b, x, slot), lambda b: b, buf)
+
+
+def _both_ways(x, down: tuple, up: tuple) -> tuple:
+    """`x` sent one stage down (`down` pairs) and one stage up (`up`): what each stage receives
+    from above and from below. One collective where no stage is in both (p = 2), else two."""
+    if not {i for i, _ in down} & {i for i, _ in up}:
+        both = jax.lax.ppermute(x, STAGE, (*down, *up))
+        return both, both
+    return jax.lax.ppermute(x, STAGE, down), jax.lax.ppermute(x, STAGE, up)
+
+
+def hop(plan, r: Row, y, dx, fwd_buf, bwd_buf, index):
+    """The hops of one tick: F's output to the next chunk's stage, B's or I's input gradient to
+    the previous chunk's; the row says which slot each arrival lands in (-1: nothing arrives).
+
+    Interleaved placement: one collective-permute each (down the ring for F, up for B). V
+    placement: a stage's F goes down (first half) or up (second half) and its B or I the other
+    way round, so each is sent both ways: F's output down into the first lane (`f_recv`) and up
+    into the second (`f_recv2`), B's gradient up into the first (`b_recv`) and down into the
+    second (`b_recv2`); four collective-permutes per tick, two where p = 2 (each stage has one
+    neighbour). The turn of the V (chunk p-1 to p, and its gradient back) is stage p-1's own: a
+    select of its own y or dx, no send. F's collectives read F's output only, B's B's only (so
+    that DualPipeV's F&B ticks can overlap the one's with the other's computation)."""
     s = plan.setup
-    recv_f = jax.lax.ppermute(y, STAGE, s.fwd_pairs)
-    recv_b = jax.lax.ppermute(dx, STAGE, s.bwd_pairs)
-    rf, rb = r.f_recv, r.b_recv
-    fwd_buf = jax.lax.cond(rf >= 0, lambda b: set_row(b, recv_f, rf), lambda b: b, fwd_buf)
-    bwd_buf = jax.lax.cond(rb >= 0, lambda b: set_row(b, recv_b, rb), lambda b: b, bwd_buf)
+    if s.table.placement != "v":
+        fwd_buf = _land(fwd_buf, jax.lax.ppermute(y, STAGE, s.fwd_pairs), r.f_recv)
+        return fwd_buf, _land(bwd_buf, jax.lax.ppermute(dx, STAGE, s.bwd_pairs), r.b_recv)
+    turn = index == s.p - 1
+    f_down, f_up = _both_ways(y, s.fwd_pairs, s.bwd_pairs)
+    b_down, b_up = _both_ways(dx, s.fwd_pairs, s.bwd_pairs)
+    fwd_buf = _land(_land(fwd_buf, f_down, r.f_recv), jnp.where(turn, y, f_up), r.f_recv2)
+    bwd_buf = _land(_land(bwd_buf, jnp.where(turn, dx, b_up), r.b_recv), b_down, r.b_recv2)
     return fwd_buf, bwd_buf
 
 
@@ -216,6 +244,6 @@ def tick(plan: StagePlan, st: Stage, carry: Carry, row: dict):
     y, stash, g_shared, loss, maxima = jax.lax.cond(
         r.f_valid > 0, lambda stash, g: run_f(plan, st, r, fwd_buf, dep, stash, g),
         lambda stash, g: no_f(plan, stash, g), stash, g_shared)
-    fwd_buf, bwd_buf = hop(plan, r, y, dx, fwd_buf, bwd_buf)
+    fwd_buf, bwd_buf = hop(plan, r, y, dx, fwd_buf, bwd_buf, st.index)
     return Carry(fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss,
                  add_maxima(maxima_acc, maxima, r.f_chunk)), None
