@@ -13,6 +13,7 @@ from jaxpar.config import Config
 from jaxpar.hardware import Hardware
 from jaxpar.mesh import AXES
 from jaxpar.model.flops import count_active_params, model_flops_per_token
+from jaxpar.parallel.pipeline.placement import placement_of
 from jaxpar.parallel.stages import valid_stage_layout
 from jaxpar.plan import moe as moe_costs
 from jaxpar.plan.collectives import collectives
@@ -159,7 +160,8 @@ def busiest_stage_layers(cfg: Config, p: int) -> float:
     costs nothing)."""
     if p == 1:
         return float(cfg.model.n_layers)
-    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
+    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers,
+                               placement_of(cfg.parallel.schedule))
     return cfg.model.n_layers / p if slots is None else float(slots.layers_per_chunk().sum(-1).max())
 
 

@@ -132,9 +132,11 @@ def stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
                            lambda g, kind, sd: from_slots(g, sd, slots.layer_slot[kind], p, stage))
     # (Shared leaves with experts: the MTP modules' MoE block, `jaxpar.model.mtp`; complete per data
     # rank as the blocks' experts are.)
+    # (`Table.overlap`: F's own accumulator of the shared leaves' gradients, added in here.)
+    g_done = jax.tree.map(jnp.add, done.g_shared, done.g_head) if done.g_head else done.g_shared
     g_shared = {k: jax.tree.map(lambda g, w, dim, sdim, e: reduce_stage(g if e else setup.reduce_data(g, dim),
                                                                         sdim).astype(w.dtype),
-                                done.g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k],
+                                g_done[k], params[k], layout.zero_dims[k], layout.stage_dims[k],
                                 layout.experts[k], is_leaf=lambda x: x is None or isinstance(x, int))
                 for k in done.g_shared}
     loss = jax.lax.psum(done.loss, (*setup.data_axes, STAGE))

@@ -45,6 +45,19 @@ class Table:
     placement: str = "interleaved"  # which stage holds which chunk (`jaxpar.parallel.pipeline.placement`)
 
     @property
+    def overlap(self) -> bool:
+        """Does a tick run one microbatch's F beside another's fused B on one stage of a V (DualPipeV's
+        F&B)? Then the tick keeps F independent of B and W (`tick.tick`)."""
+        return self.placement == "v" and bool((self.rows["f_valid"] * self.rows["b_valid"]).any())
+
+    @property
+    def one_message(self) -> bool:
+        """Does every stage send at most one message a tick (no tick with F and B or I on one stage)?
+        Then a V tick sends that one message both ways, not F's and B's apart (`tick.hop`)."""
+        r = self.rows
+        return not (r["f_valid"] * (r["b_valid"] + r["i_valid"])).any()
+
+    @property
     def ticks(self) -> int:
         return self.rows["f_valid"].shape[0]
 
