@@ -69,7 +69,8 @@ def make_cfg(schedule: str, m: int, layers: int, v: int = 1):
 
 
 def simulated(schedule: str, m: int, v: int = 1) -> dict:
-    from jaxpar.parallel.schedules import build, ideal_bubble, simulate
+    from jaxpar.parallel.pipeline.simulate import ideal_bubble, simulate
+    from jaxpar.parallel.schedules import build
 
     sc = build(schedule, P, m, v)
     # B = 2F (a split table's I = W = F) and, for the closed form, every action costing the same.

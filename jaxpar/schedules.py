@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from jaxpar.parallel.pipeline.schedules import SCHEDULES, ScheduleError, build, validate
+from jaxpar.parallel.pipeline.schedules import SCHEDULES, V_SCHEDULES, ScheduleError, build, validate
 from jaxpar.parallel.pipeline.timeline import render_png, render_text
 
 
@@ -32,8 +32,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--schedule", required=True, help=f"one of: {', '.join(SCHEDULES)}")
     parser.add_argument("--stages", "-p", type=int, required=True, help="pipeline stages p")
     parser.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches per step m")
-    parser.add_argument("--virtual-stages", "-v", type=int, default=1,
-                        help="model chunks per stage v (interleaved_1f1b only; default 1)")
+    parser.add_argument("--virtual-stages", "-v", type=int, default=None,
+                        help="model chunks per stage v (interleaved_1f1b: any; zb_v, dualpipe_v: 2, their default; "
+                             "the others: 1, their default)")
     parser.add_argument("--f-cost", type=float, default=1.0, help="forward time of one stage's layers (default 1)")
     parser.add_argument("--b-cost", type=float, default=None,
                         help="fused backward (B) time of one stage's layers (default: I + W)")
@@ -56,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.png and not args.png.lower().endswith(IMAGE_EXTENSIONS):
             raise ScheduleError(f"--png {args.png!r} is not an image file name (the drawing's format follows the "
                                 "extension: .png, .svg, .pdf, ...); pass e.g. --png schedule.png.")
-        schedule = validate(build(args.schedule, args.stages, args.microbatches, args.virtual_stages))
+        v = args.virtual_stages if args.virtual_stages is not None else 2 if args.schedule in V_SCHEDULES else 1
+        schedule = validate(build(args.schedule, args.stages, args.microbatches, v))
         text = render_text(schedule, args.f_cost, args.b_cost, args.activation_bytes, i_cost=args.i_cost,
                            w_cost=args.w_cost)
         if args.png:

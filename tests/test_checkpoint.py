@@ -91,7 +91,10 @@ def test_resume_on_the_same_mesh_is_bit_exact(straight, tmp_path):
     ((1, 8, 1), {"zero": 0, "schedule": "gpipe", "microbatches": 8, "sequence_parallel": False}),
     # Uneven stages: the stacks stored with `stage` off their `layers` dim (DESIGN.md §5.5).
     ((1, 2, 4), {"zero": 0, "schedule": "1f1b_one_action", "microbatches": 4, "stage_layers": [3, 5]}),
-], ids=["8x1x1-zero3", "1x8x1-gpipe", "1x2x4-1f1b_one_action-uneven"])
+    # The V placement (stage s runs chunks s and 2p-1-s): stored in model layer order all the same.
+    pytest.param((2, 4, 1), {"zero": 1, "schedule": "zb_v", "virtual_stages": 2, "microbatches": 4,
+                             "sequence_parallel": False}, marks=pytest.mark.slow),
+], ids=["8x1x1-zero3", "1x8x1-gpipe", "1x2x4-1f1b_one_action-uneven", "2x4x1-zb_v"])
 def test_resume_onto_another_mesh(straight, tmp_path, mesh, parallel):
     cfg, run, want = straight
     resume_copy(run, tmp_path / "r", drop_after=3)

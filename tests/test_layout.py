@@ -117,7 +117,8 @@ def test_the_walls_between_layers():
     modules = _modules()
     plain = {"jaxpar.errors", "jaxpar.parallel", "jaxpar.parallel.schedules", "jaxpar.parallel.timeline",
              "jaxpar.parallel.pipeline", "jaxpar.parallel.pipeline.schedules", "jaxpar.parallel.pipeline.timeline",
-             "jaxpar.parallel.pipeline.table"}
+             "jaxpar.parallel.pipeline.table", "jaxpar.parallel.pipeline.simulate", "jaxpar.parallel.pipeline.vshape",
+             "jaxpar.parallel.pipeline.placement"}
     for name in sorted(plain - {"jaxpar.errors"}):
         with open(modules[name], encoding="utf-8") as f:
             tree = ast.parse(f.read())

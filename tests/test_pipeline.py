@@ -16,7 +16,7 @@ from jaxpar.mesh import make_mesh
 from jaxpar.model.layers import MLP, Attention, norm, param
 from jaxpar.parallel.pipeline import make_pipeline_loss_and_grads, table_of
 from jaxpar.parallel.schedules import build as build_schedule
-from jaxpar.parallel.schedules import simulate
+from jaxpar.parallel.pipeline.simulate import simulate
 from jaxpar.sharding import enter_tp
 from jaxpar.train.step import build, cross_entropy_sum, lower_step
 

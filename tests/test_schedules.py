@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from jaxpar.parallel import schedules as schedules_module
+from jaxpar.parallel.pipeline.simulate import ideal_bubble, simulate
 from jaxpar.parallel.schedules import (SCHEDULES, Action, Schedule, ScheduleError, build, check_slots, from_programs,
-                                       gpipe, ideal_bubble, interleaved_1f1b, one_f_one_b, one_f_one_b_lockstep,
-                                       random_table, simulate, validate, zb_h1)
+                                       gpipe, interleaved_1f1b, one_f_one_b, one_f_one_b_lockstep, random_table,
+                                       validate, zb_h1)
 from jaxpar.parallel.timeline import render_png, render_text
 from jaxpar.schedules import main
 
@@ -19,6 +20,10 @@ def _cases():
     for p in (1, 2, 3, 4, 8):
         for m in sorted({1, p, 2 * p + 1}):
             for name in SCHEDULES:
+                if name in ("zb_v", "dualpipe_v"):  # V placement: v = 2, p >= 2 (tests/test_v_schedules.py)
+                    if p >= 2:
+                        yield name, p, m, 2
+                    continue
                 for v in ((1, 2) if name == "interleaved_1f1b" else (1,)):
                     if v > 1 and m < p:
                         continue
@@ -39,7 +44,11 @@ def _edit(schedule: Schedule, drop=(), add=()) -> Schedule:
 def test_every_built_schedule_is_valid(name, p, m, v):
     sc = build(name, p, m, v)
     assert validate(sc) is sc
-    per = 3 if name in ("1f1b", "zb_h1") else 2  # F, I, W or F, B per (microbatch, chunk)
+    if name == "dualpipe_v":  # fused Bs in the main step, split ones in warm-up and drain
+        assert {a.kind for _, _, a in sc.actions()} <= set("FBIW")
+        assert sum(a.kind in "BI" for _, _, a in sc.actions()) == m * p * v
+        return
+    per = 3 if name in ("1f1b", "zb_h1", "zb_v") else 2  # F, I, W or F, B per (microbatch, chunk)
     assert sum(1 for _ in sc.actions()) == per * m * p * v
     assert {a.kind for _, _, a in sc.actions()} == (set("FIW") if per == 3 else set("FB"))
 
@@ -86,7 +95,7 @@ def test_validator_rejects_duplicates():
         validate(_edit(sc, add=[(len(sc.ticks), 0, Action("F", 1, 0))]))
 
 
-@pytest.mark.parametrize("name,p,m,v", [c for c in _cases() if c[0] != "1f1b_one_action"])
+@pytest.mark.parametrize("name,p,m,v", [c for c in _cases() if c[0] not in ("1f1b_one_action", "zb_v", "dualpipe_v")])
 def test_equal_cost_bubble_matches_closed_form(name, p, m, v):
     if name in ("1f1b", "zb_h1"):  # split tables: F = I = W = 1 (simulate's defaults)
         sim = simulate(build(name, p, m, v))
@@ -131,7 +140,7 @@ def test_peak_buffered_counts_the_receive_slot():
 
 
 SLOT_KEYS = ("f_in", "f_stash", "b_stash", "b_in", "i_stash", "i_in", "i_wstash", "w_wstash", "w_stash", "f_recv",
-             "b_recv")
+             "b_recv", "f_recv2", "b_recv2")
 
 
 @pytest.mark.parametrize("sc", [interleaved_1f1b(4, 8, 2), zb_h1(4, 8), random_table(3, 5, 7, split="mixed", v=2)],
@@ -155,7 +164,7 @@ def test_to_arrays_matches_ticks(sc):
     # a slot where nothing is read or written is 0; a receive where nothing arrives is -1
     for key in SLOT_KEYS:
         kind = key[0] if key[0] in "fbiw" else None
-        if key.endswith("_recv"):
+        if "_recv" in key:
             continue
         assert (arr[key][arr[f"{kind}_valid"] == 0] == 0).all()
     assert (arr["f_in"][(arr["f_valid"] == 1) & (arr["f_chunk"] == 0) & (np.arange(sc.stages) == 0)] == 0).all()
@@ -306,12 +315,17 @@ def _applicable(sc: Schedule, key: str) -> np.ndarray:
     """Where the slot array `key` is read by the executor (computed from the table, not the arrays)."""
     last, p = sc.chunks - 1, sc.stages
     # key -> (the kinds that use it, whether action (kind, chunk) does, the stage whose entry it is)
-    here, prev, nxt = (lambda c, s: s), (lambda c, s: (c - 1) % p), (lambda c, s: (c + 1) % p)
+    here, prev, nxt = (lambda c, s: s), (lambda c, s: sc.stage_of(c - 1)), (lambda c, s: sc.stage_of(c + 1))
+    lane = sc.lane_of
     uses = {"f_in": ("F", lambda c: c > 0, here), "f_stash": ("F", lambda c: True, here),
             "b_stash": ("B", lambda c: True, here), "i_stash": ("I", lambda c: True, here),
             "b_in": ("B", lambda c: c < last, here), "i_in": ("I", lambda c: c < last, here),
             "i_wstash": ("I", lambda c: True, here), "w_wstash": ("W", lambda c: True, here),
-            "w_stash": ("W", lambda c: True, here), "f_recv": ("F", lambda c: c < last, nxt), "b_recv": ("BI", lambda c: c > 0, prev)}
+            "w_stash": ("W", lambda c: True, here),
+            "f_recv": ("F", lambda c: c < last and lane(c + 1) == 0, nxt),
+            "f_recv2": ("F", lambda c: c < last and lane(c + 1) == 1, nxt),
+            "b_recv": ("BI", lambda c: c > 0 and lane(c - 1) == 0, prev),
+            "b_recv2": ("BI", lambda c: c > 0 and lane(c - 1) == 1, prev)}
     kinds, used, where = uses[key]
     mask = np.zeros((sc.num_ticks(), p), bool)
     for t, s, a in sc.actions():

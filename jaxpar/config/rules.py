@@ -5,7 +5,8 @@ mesh sizes against a device count).
 Each broken rule is one `ConfigError` sentence that names the value, the rule and a fix. The rules
 that need the pipeline's tables or stage layouts (an axis's size against the model, the batch
 against data x microbatches) are `jaxpar.parallel.checks`'; this module imports nothing of
-jaxpar's model or parallel layers.
+jaxpar's model or parallel layers (only the plain-Python rule of which schedules place their
+chunks in a V, `jaxpar.parallel.pipeline.placement`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 
 from jaxpar.config.schema import Config, MeshConfig, ModelConfig
 from jaxpar.errors import ConfigError
+from jaxpar.parallel.pipeline.placement import placement_of
 
 
 def require(ok: bool, message: str) -> None:
@@ -305,9 +307,19 @@ def validate(cfg: Config) -> None:
     if cfg.model.fp8_scaling == "delayed":
         _validate_delayed_fp8(cfg)
 
-    require(par.virtual_stages == 1 or par.schedule == "interleaved_1f1b",
+    v_shape = placement_of(par.schedule) == "v"
+    require(par.virtual_stages == 1 or par.schedule == "interleaved_1f1b" or v_shape,
             f"parallel.virtual_stages = {par.virtual_stages} needs parallel.schedule = interleaved_1f1b "
             f"(got {par.schedule}); set the schedule or parallel.virtual_stages=1.")
+    if v_shape:  # (stage s holds chunks s and 2p-1-s: docs/pipeline.md)
+        require(par.virtual_stages == 2,
+                f"parallel.virtual_stages = {par.virtual_stages} does not fit parallel.schedule = {par.schedule}, "
+                f"whose V places exactly two chunks on every stage (s and 2p-1-s); set parallel.virtual_stages=2.")
+        p = cfg.mesh.stage
+        require(p < 1 or m.n_layers >= 2 * p,
+                f"model.n_layers = {m.n_layers} is fewer than the 2 x mesh.stage = {2 * p} chunks of "
+                f"parallel.schedule = {par.schedule} (its V needs a layer in each chunk); use at least {2 * p} "
+                f"layers, or mesh.stage={max(1, m.n_layers // 2)}.")
 
 
 def _validate_delayed_fp8(cfg: Config) -> None:

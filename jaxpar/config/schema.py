@@ -301,14 +301,17 @@ class ParallelConfig:
     (Megatron's expert-TP layout: the layer's input gathered, its output reduced, as a dense MLP);
     false keeps every expert whole on every model rank and routes each rank's own sequence shard
     (needs parallel.sequence_parallel: no activation collective over `model` for the routed experts)."""
-    schedule: Literal["gpipe", "1f1b", "1f1b_lockstep", "1f1b_one_action", "interleaved_1f1b", "zb_h1"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "1f1b_lockstep", "1f1b_one_action", "interleaved_1f1b", "zb_h1", "zb_v",
+                      "dualpipe_v"] = "1f1b"
     """Pipeline schedule (mesh.stage > 1): gpipe, 1f1b (Megatron's order and memory, backward split
     into I and W), 1f1b_lockstep (one F and one fused B per tick), 1f1b_one_action, interleaved_1f1b,
-    zb_h1 (zero-bubble ZB-H1: 1f1b with W deferred into the bubbles)."""
+    zb_h1 (zero-bubble ZB-H1: 1f1b with W deferred into the bubbles), zb_v (zero-bubble V: chunks s
+    and 2p-1-s on stage s, virtual_stages 2) and dualpipe_v (DualPipeV: one microbatch's forward
+    beside another's backward, V placement, virtual_stages 2); docs/pipeline.md."""
     microbatches: int = 1
     """Microbatches per step (gradient accumulation, or pipeline microbatches)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline device (interleaved schedule)."""
+    """Model chunks per pipeline device (interleaved schedule; 2 for the V schedules)."""
     sequence_parallel: bool = False
     """Shard norms and residual activations along `seq` over `model` (Megatron sequence parallelism)."""
     context: int = 1

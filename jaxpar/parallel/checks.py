@@ -12,6 +12,7 @@ from jaxpar.config.schema import Config
 from jaxpar.config.rules import nearest_divisor, require
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.pipeline.schedules import ScheduleError, build
+from jaxpar.parallel.pipeline.placement import placement_of
 from jaxpar.parallel.stages import stage_layout
 
 
@@ -107,7 +108,7 @@ def check_stage_axis(cfg: Config, p: int) -> None:
             f"or give parallel.stage_layers.")
     if m.mixed:  # each chunk must hold its dense first layers, then whole groups
         try:
-            stage_layout(m, p, par.virtual_stages, par.stage_layers)
+            stage_layout(m, p, par.virtual_stages, par.stage_layers, placement_of(par.schedule))
         except ValueError as e:
             raise ConfigError(str(e)) from None
     problem = _schedule_problem(par.schedule, p, par.microbatches, par.virtual_stages)

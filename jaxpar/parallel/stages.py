@@ -1,8 +1,9 @@
 """Which layers each pipeline chunk runs: one description read by the executor, the storage
 layout, the config check and the planner (DESIGN.md §5.5).
 
-The model's layers are cut into p·v contiguous chunks (stage s runs chunks s, s + p, ...): evenly,
-or by `parallel.stage_layers`. Every stage runs the same program, so every chunk has the same
+The model's layers are cut into p·v contiguous chunks, placed on the stages as the schedule's
+placement says (`jaxpar.parallel.pipeline.placement`: chunks s, s + p, ... on stage s, or the V's
+s and 2p-1-s): evenly, or by `parallel.stage_layers`. Every stage runs the same program, so every chunk has the same
 number of layer slots per stack of `blocks` (one stack; two for a model with dense and MoE layers,
 `jaxpar.model.transformer.MixedBlocks`), and a slot that holds no layer of this chunk is inactive:
 its layer is skipped (a `lax.cond`, no compute) and receives no gradient. The chunk's program is a
@@ -23,6 +24,7 @@ import dataclasses
 import numpy as np
 
 from jaxpar.model.transformer import layer_order
+from jaxpar.parallel.pipeline.placement import stage_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,26 +55,28 @@ class StageLayout:
 
 
 def chunk_counts(n_layers: int, p: int, v: int, stage_layers: tuple[int, ...] | None) -> list[int]:
-    """Layers of each global chunk (chunk c = k·p + s runs on stage s): `stage_layers` (v = 1) or
-    an even split."""
+    """Layers of each global chunk, in model order: `stage_layers` (v = 1) or an even split."""
     if stage_layers is not None:
         return list(stage_layers)
     return [n_layers // (p * v)] * (p * v)
 
 
-def valid_stage_layout(m, p: int, v: int = 1, stage_layers: tuple[int, ...] | None = None) -> StageLayout | None:
+def valid_stage_layout(m, p: int, v: int = 1, stage_layers: tuple[int, ...] | None = None,
+                       placement: str = "interleaved") -> StageLayout | None:
     """`stage_layout`, or None for chunks a mixed model cannot have (the config check refuses those
     with the sentence `stage_layout` raises; the planner and the storage layout, asked about them
     before that check, fall back to an even split)."""
     try:
-        return stage_layout(m, p, v, stage_layers)
+        return stage_layout(m, p, v, stage_layers, placement)
     except ValueError:
         return None
 
 
-def stage_layout(m, p: int, v: int = 1, stage_layers: tuple[int, ...] | None = None) -> StageLayout:
-    """The chunks' layer slots of model config `m` on p stages of v chunks. Raises ValueError (a
-    sentence) where a mixed model's chunk does not hold its dense first layers then whole groups."""
+def stage_layout(m, p: int, v: int = 1, stage_layers: tuple[int, ...] | None = None,
+                 placement: str = "interleaved") -> StageLayout:
+    """The chunks' layer slots of model config `m` on p stages of v chunks, placed by `placement`
+    ("interleaved" or "v", `jaxpar.parallel.pipeline.placement`). Raises ValueError (a sentence)
+    where a mixed model's chunk does not hold its dense first layers then whole groups."""
     counts = chunk_counts(m.n_layers, p, v, stage_layers)
     starts = np.cumsum([0, *counts[:-1]])
     mixed = m.mixed
@@ -111,7 +115,7 @@ def stage_layout(m, p: int, v: int = 1, stage_layers: tuple[int, ...] | None = N
     active = {k: np.zeros((p, v, width[k]), bool) for k in kinds}
     slots = {k: np.zeros((p, v, width[k]), np.int64) for k in kinds}
     for c, chunk in enumerate(per_chunk):
-        s, k = c % p, c // p
+        s, k = stage_of(c, p, placement), c // p  # (local chunk c // p in every placement)
         for kind in kinds:
             layers = chunk[kind]
             if mixed and kind == "dense":  # prefix slots [0, K'), then the groups' dense slots

@@ -30,6 +30,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config, ConfigError
+from jaxpar.parallel.pipeline.placement import placement_of
 from jaxpar.parallel.stages import valid_stage_layout
 from jaxpar.sharding import expert_replicas, Rules, storage_rules
 
@@ -155,7 +156,8 @@ def _gathers_slots(cfg: Config, p: int) -> bool:
     """Does the pipeline gather its chunks' layer slots (`jaxpar.parallel.stages.StageLayout.gather`)?"""
     if p == 1:
         return False
-    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
+    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers,
+                               placement_of(cfg.parallel.schedule))
     return slots is not None and slots.gather
 
 

@@ -28,6 +28,7 @@ from jaxpar.mesh import AXES, check_sizes
 from jaxpar.model.layers import flash_attention_applies
 from jaxpar.parallel.gradients import reduction, zero3_gathers
 from jaxpar.parallel.reduction import upcast_at_use
+from jaxpar.parallel.pipeline.placement import placement_of
 from jaxpar.parallel.stages import chunk_model, valid_stage_layout
 from jaxpar.parallel.zero import make_layout, state_bytes
 from jaxpar.plan import moe as moe_costs
@@ -105,7 +106,8 @@ def _stage_slots(cfg: Config, p: int):
     first layers: `jaxpar.parallel.stages`), else None (even chunks: a reshape of the storage)."""
     if p == 1:
         return None
-    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
+    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers,
+                               placement_of(cfg.parallel.schedule))
     return slots if slots is not None and slots.gather else None
 
 
@@ -301,7 +303,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         sched, table = _schedule(cfg, p)
         v = par.virtual_stages
         # Every chunk's program has the same layer slots (a skipped one's residuals are zeros).
-        slots = valid_stage_layout(m, p, v, par.stage_layers)  # (None: refused by the config check)
+        slots = valid_stage_layout(m, p, v, par.stage_layers, placement_of(par.schedule))  # (None: refused by the config check)
         chunk = (chunk_model(m_act, slots) if slots is not None
                  else dataclasses.replace(m_act, n_layers=m.n_layers // (p * v)))
         layers = chunk.n_layers

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 
 from jaxpar import model
 from jaxpar.model.moe_exchange import resolve as exchange_of, routed_rows
+from jaxpar.parallel.pipeline.placement import placement_of
 from jaxpar.parallel.stages import valid_stage_layout
 from jaxpar.sharding import expert_replicas
 
@@ -151,7 +152,7 @@ def moe_layers_on_stage(cfg, p: int) -> int:
     m, par = cfg.model, cfg.parallel
     if p == 1:
         return m.n_moe_layers
-    slots = valid_stage_layout(m, p, par.virtual_stages, par.stage_layers)
+    slots = valid_stage_layout(m, p, par.virtual_stages, par.stage_layers, placement_of(par.schedule))
     return m.n_moe_layers // p if slots is None else int(slots.active["moe" if m.mixed else ""].sum((1, 2)).max())
 
 

@@ -13,6 +13,7 @@ from jaxpar.config import Config
 from jaxpar.hardware import Hardware
 from jaxpar.mesh import AXES
 from jaxpar.model.flops import count_active_params, model_flops_per_token
+from jaxpar.parallel.pipeline.placement import placement_of
 from jaxpar.parallel.stages import valid_stage_layout
 from jaxpar.plan import moe as moe_costs
 from jaxpar.plan.collectives import collectives
@@ -22,7 +23,7 @@ from jaxpar.plan.memory import _BYTES, _cached_schedule, model_state, muon_deal,
 @functools.lru_cache(maxsize=4096)
 def _simulated(name: str, p: int, m: int, v: int, b_over_f: float) -> tuple[float, float]:
     """(time in units of F, bubble fraction) of a schedule simulated with F = 1, B = b_over_f."""
-    from jaxpar.parallel.pipeline.schedules import simulate
+    from jaxpar.parallel.pipeline.simulate import simulate
     sim = simulate(_cached_schedule(name, p, m, v)[0], 1.0, b_over_f)
     return sim.total_time, sim.bubble_fraction
 
@@ -159,7 +160,8 @@ def busiest_stage_layers(cfg: Config, p: int) -> float:
     costs nothing)."""
     if p == 1:
         return float(cfg.model.n_layers)
-    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers)
+    slots = valid_stage_layout(cfg.model, p, cfg.parallel.virtual_stages, cfg.parallel.stage_layers,
+                               placement_of(cfg.parallel.schedule))
     return cfg.model.n_layers / p if slots is None else float(slots.layers_per_chunk().sum(-1).max())
 
 

@@ -87,7 +87,8 @@ def _pipeline_line(cfg, mesh) -> list[str]:
     p = mesh.shape["stage"]
     if p == 1:
         return []
-    from jaxpar.parallel.pipeline.schedules import build, simulate
+    from jaxpar.parallel.pipeline.schedules import build
+    from jaxpar.parallel.pipeline.simulate import simulate
 
     par = cfg.parallel
     sim = simulate(build(par.schedule, p, par.microbatches, par.virtual_stages))

@@ -3,8 +3,9 @@ valid table (DESIGN.md §5).
 
 Plain Python (no JAX), importable on their own:
 
-- `schedules`: tables `tick x stage -> actions` (F, B, I, W), their builders, slot assignment,
-  validation and simulation; `timeline`: their text and PNG rendering;
+- `schedules`: tables `tick x stage -> actions` (F, B, I, W), their placements, builders, slot
+  assignment and validation; `vshape`: the V schedules' stage programs; `simulate`: their
+  simulation; `timeline`: their text and PNG rendering;
 - `table`: a schedule as the executor consumes it (`Table`, `table_of`) and `stashes_inputs`.
 
 The executor (JAX), in the order a step runs it:

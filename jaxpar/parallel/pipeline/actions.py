@@ -79,8 +79,9 @@ def handed_shared(plan, st, diff):
 
 
 def ends(plan, st, k):
-    """Does this (stage, local chunk) hold the first / the last chunk of the model?"""
-    return (st.index == 0) & (k == 0), (st.index == plan.setup.p - 1) & (k == plan.setup.v - 1)
+    """Does this (stage, local chunk) hold the first / the last chunk of the model? (The last is
+    the last local chunk of `Setup.last_stage`: stage p-1's, or stage 0's under the V.)"""
+    return (st.index == 0) & (k == 0), (st.index == plan.setup.last_stage) & (k == plan.setup.v - 1)
 
 
 def active(plan, st, k):

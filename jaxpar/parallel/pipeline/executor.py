@@ -42,10 +42,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config
 from jaxpar.parallel.gradients import gather_for_step, hand_out, manual_region
+from jaxpar.parallel.pipeline.placement import stage_order
 from jaxpar.parallel.pipeline.plan import make_plan, stage_inputs
 from jaxpar.model.transformer import layer_order
 from jaxpar.parallel.pipeline.setup import DATA, MODEL, STAGE, Setup, make_setup
-from jaxpar.parallel.pipeline.stash import by_kind, from_slots, gather_stage, reduce_stage, reorder, to_slots
+from jaxpar.parallel.pipeline.stash import by_kind, from_slots, gather_stage, permute_chunks, reduce_stage, reorder, to_slots
 from jaxpar.parallel.pipeline.table import Table
 from jaxpar.parallel.pipeline.tick import initial_carry, tick
 from jaxpar.parallel.zero import Layout
@@ -79,15 +80,21 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
                         axis_names=manual)
     if v == 1 or setup.slots.gather:  # (the slots are in pipeline order already)
         return run
+    # Stage s runs its chunks (`placement.stage_order`: s, s + p, ..., s + (v-1)p interleaved; s
+    # and 2p-1-s under the V): the canonical [layers, ...] reordered so that each stage's
+    # contiguous slice holds them (a resharding of the block parameters over `stage` every step,
+    # and of their gradients back; see README). Storage, and so checkpoints, stay in model order.
+    order = stage_order(p, v, table.placement)
+    if table.placement == "interleaved":  # (as a transpose: `order` is [v, p] transposed)
+        to_stages, from_stages = (lambda w: reorder(w, v, p)), (lambda g: reorder(g, p, v))
+    else:
+        to_stages, from_stages = (lambda w: permute_chunks(w, order)), (lambda g: permute_chunks(g, np.argsort(order)))
 
-    def interleaved(params, batch):
-        # Stage s runs chunks s, s + p, ..., s + (v-1)p: reorder the canonical [layers, ...] so
-        # that each stage's contiguous slice holds them (a resharding of the block parameters
-        # over `stage` every step, and of their gradients back; see README).
-        loss, grads = run({**params, "blocks": jax.tree.map(lambda w: reorder(w, v, p), params["blocks"])}, batch)
-        return loss, {**grads, "blocks": jax.tree.map(lambda g: reorder(g, p, v), grads["blocks"])}
+    def staged(params, batch):
+        loss, grads = run({**params, "blocks": jax.tree.map(to_stages, params["blocks"])}, batch)
+        return loss, {**grads, "blocks": jax.tree.map(from_stages, grads["blocks"])}
 
-    return interleaved
+    return staged
 
 
 def stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
@@ -125,9 +132,11 @@ def stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
                            lambda g, kind, sd: from_slots(g, sd, slots.layer_slot[kind], p, stage))
     # (Shared leaves with experts: the MTP modules' MoE block, `jaxpar.model.mtp`; complete per data
     # rank as the blocks' experts are.)
+    # (`Table.overlap`: F's own accumulator of the shared leaves' gradients, added in here.)
+    g_done = jax.tree.map(jnp.add, done.g_shared, done.g_head) if done.g_head else done.g_shared
     g_shared = {k: jax.tree.map(lambda g, w, dim, sdim, e: reduce_stage(g if e else setup.reduce_data(g, dim),
                                                                         sdim).astype(w.dtype),
-                                done.g_shared[k], params[k], layout.zero_dims[k], layout.stage_dims[k],
+                                g_done[k], params[k], layout.zero_dims[k], layout.stage_dims[k],
                                 layout.experts[k], is_leaf=lambda x: x is None or isinstance(x, int))
                 for k in done.g_shared}
     loss = jax.lax.psum(done.loss, (*setup.data_axes, STAGE))

@@ -12,7 +12,13 @@ backward `ppermute` move each message one hop. Per stage and tick: at most one F
 B and I, at most one W. F(mb, c) may run at tick t only if F(mb, c-1) ran at a tick <= t-1;
 B or I (mb, c) only if F(mb, c) and (c < last chunk) the B or I of (mb, c+1) ran at a tick <= t-1;
 W(mb, c) only if I(mb, c) ran at a tick <= t-1. Chunk c (in model order, 0..p*v-1) lives on stage
-c % p (Megatron's interleaved placement).
+c % p (Megatron's interleaved placement, `placement="interleaved"`), or, with `placement="v"` (v = 2,
+the V-shape schedules `zb_v` and `dualpipe_v`), stage s holds chunks s and 2p-1-s: the hop from
+chunk p-1 to chunk p stays on the last stage (a local hop, still one tick), and the second half's
+activations travel back up the stages. Local chunk k of stage s is chunk c with c // p = k in both
+placements. A message lands in its receiving chunk's lane: the first (`f_recv`, `b_recv`) for
+interleaved chunks and V's first half, the second (`f_recv2`, `b_recv2`) for V's second half, so
+that a stage receives at most one activation and one gradient per lane and tick.
 
 Buffers and slots (`Schedule.to_arrays`, `Schedule.slot_counts`): each stage has four slot spaces,
 each shared by all its chunks: the stash (what F saves for the backward; written by F, read and
@@ -32,8 +38,9 @@ Schedules (`SCHEDULES`, `build`): `gpipe`; `1f1b` (Megatron's order and memory, 
 stage s, one action per tick with the backward split into I then W); `zb_h1` (1f1b with W
 deferred into the bubbles); `1f1b_lockstep` (what `1f1b` was before the split backward: one F and
 one fused B per tick, 2(p-s)-1 stashed); `1f1b_one_action` (Megatron's order with a fused B);
-`interleaved_1f1b` (v chunks per stage). `random_table` and `from_programs` make other valid
-tables, for tests.
+`interleaved_1f1b` (v chunks per stage); `zb_v` and `dualpipe_v` (V placement, their stage
+programs from `jaxpar.parallel.pipeline.vshape`). `random_table` and `from_programs` make other valid tables, for
+tests. The simulator (`simulate`, `ideal_bubble`) is `jaxpar.parallel.pipeline.simulate`.
 """
 
 from __future__ import annotations
@@ -42,14 +49,16 @@ import dataclasses
 import functools
 import heapq
 from collections import deque
-from fractions import Fraction
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from jaxpar.errors import JaxparError
+from jaxpar.parallel.pipeline import placement as _placement
+from jaxpar.parallel.pipeline.placement import PLACEMENTS
+from jaxpar.parallel.pipeline.vshape import V_SCHEDULES, dualpipe_v_programs, zb_v_programs
 
-SCHEDULES = ("gpipe", "1f1b", "1f1b_lockstep", "1f1b_one_action", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "1f1b_lockstep", "1f1b_one_action", "interleaved_1f1b", "zb_h1", *V_SCHEDULES)
 KINDS = ("F", "B", "I", "W")
 _LANE = {"F": 0, "B": 1, "I": 1, "W": 2}  # per stage and tick: one F, one of B/I, one W
 
@@ -82,9 +91,18 @@ class Schedule:
     # The most chunk inputs each stage may hold stashed, as the schedule promises it (`validate`
     # checks the table keeps the promise; the executor sizes its stash by `slot_counts`).
     declared_stash: tuple[int, ...] | None = None
+    placement: str = "interleaved"  # or "v": stage s holds chunks s and 2p-1-s (v = 2)
 
     def stage_of(self, chunk: int) -> int:
-        return chunk % self.stages
+        return _placement.stage_of(chunk, self.stages, self.placement)
+
+    def chunk_at(self, stage: int, local: int) -> int:
+        """The global chunk that is local chunk `local` of `stage` (`stage_of`'s inverse)."""
+        return _placement.chunk_at(stage, local, self.stages, self.placement)
+
+    def lane_of(self, chunk: int) -> int:
+        """The receive lane of messages to `chunk`: 1 for V's second half, else 0 (see the module)."""
+        return _placement.lane_of(chunk, self.stages, self.placement)
 
     def num_ticks(self) -> int:
         return len(self.ticks)
@@ -123,7 +141,8 @@ class Schedule:
           `w_stash`: the stash slot W reads (and frees).
         - `f_recv`, `b_recv`: the forward / backward-buffer slot of stage s into which the message
           arriving at the end of tick t is written; -1 where nothing arrives. (F of the last chunk
-          and B / I of chunk 0 send nothing.)
+          and B / I of chunk 0 send nothing.) `f_recv2`, `b_recv2`: likewise for the second lane
+          (V placement's second half; all -1 otherwise).
         Within a tick the executor must do all reads before all writes, and the receives last.
         """
         return {k: a.copy() for k, a in self._plan[0].items()}
@@ -165,8 +184,8 @@ class Schedule:
         for lane, (recv, t_send) in enumerate(_messages(self)):
             for (mb, c), t in t_send.items():
                 if (mb, c) in recv:
-                    delta[t, c % p, lane] += 1
-                    delta[recv[(mb, c)], c % p, lane] -= 1
+                    delta[t, self.stage_of(c), lane] += 1
+                    delta[recv[(mb, c)], self.stage_of(c), lane] -= 1
         peak = np.cumsum(delta, axis=0).max(axis=0, initial=0)
         return [(int(f), int(b)) for f, b in peak]
 
@@ -195,10 +214,11 @@ def _messages(schedule: Schedule):
 SPACES = ("stash", "wstash", "fwd", "bwd")
 ARRAY_KEYS = (*(f"{k}_{f}" for k in "fbiw" for f in ("valid", "mb", "chunk")),
               "f_in", "f_stash", "b_stash", "b_in", "i_stash", "i_in", "i_wstash", "w_wstash", "w_stash", "f_recv",
-              "b_recv")
+              "b_recv", "f_recv2", "b_recv2")
+_RECV = (("f_recv", "f_recv2"), ("b_recv", "b_recv2"))  # [forward | backward][lane]
 _SLOT_SPACE = {"f_in": "fwd", "f_stash": "stash", "b_stash": "stash", "b_in": "bwd", "i_stash": "stash",
                "i_in": "bwd", "i_wstash": "wstash", "w_wstash": "wstash", "w_stash": "stash", "f_recv": "fwd",
-               "b_recv": "bwd"}
+               "b_recv": "bwd", "f_recv2": "fwd", "b_recv2": "bwd"}
 
 
 def _free_list(intervals: Sequence[tuple[int, int, tuple]]) -> tuple[dict[tuple, int], int]:
@@ -222,8 +242,9 @@ def _assign_slots(sc: Schedule) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """`to_arrays()` and `slot_counts()` of `sc` (see there)."""
     T, p, nc = sc.num_ticks(), sc.stages, sc.chunks
     out = {k: np.zeros((T, p), np.int32) for k in ARRAY_KEYS}
-    out["f_recv"][:] = -1
-    out["b_recv"][:] = -1
+    for key in (*_RECV[0], *_RECV[1]):
+        out[key][:] = -1
+    at = sc.stage_of
     when: dict[str, dict[tuple[int, int], int]] = {k: {} for k in KINDS}
     for t, s, a in sc.actions():
         k = a.kind.lower()
@@ -238,14 +259,14 @@ def _assign_slots(sc: Schedule) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     for (mb, c), t in f.items():
         # Freed by B, or by the W of a split backward (I writes W's inputs into the slot).
         kind, t_back = back.get((mb, c), ("", never))
-        intervals["stash"][c % p].append((t, w.get((mb, c), never) if kind == "i" else t_back, (mb, c)))
+        intervals["stash"][at(c)].append((t, w.get((mb, c), never) if kind == "i" else t_back, (mb, c)))
         if c > 0 and (mb, c - 1) in f:
-            intervals["fwd"][c % p].append((f[(mb, c - 1)], t, (mb, c)))
+            intervals["fwd"][at(c)].append((f[(mb, c - 1)], t, (mb, c)))
     for (mb, c), t in when["I"].items():
-        intervals["wstash"][c % p].append((t, w.get((mb, c), never), (mb, c)))
+        intervals["wstash"][at(c)].append((t, w.get((mb, c), never), (mb, c)))
     for (mb, c), (_, t) in back.items():
         if c < nc - 1 and (mb, c + 1) in back:
-            intervals["bwd"][c % p].append((back[(mb, c + 1)][1], t, (mb, c)))
+            intervals["bwd"][at(c)].append((back[(mb, c + 1)][1], t, (mb, c)))
     counts = dict.fromkeys(SPACES, 1)
     for space in SPACES:
         for s in range(p):
@@ -265,11 +286,11 @@ def _assign_slots(sc: Schedule) -> tuple[dict[str, np.ndarray], dict[str, int]]:
                         out["w_wstash"][w[(mb, c)], s] = slot
                 elif space == "fwd":
                     out["f_in"][f[(mb, c)], s] = slot
-                    out["f_recv"][f[(mb, c - 1)], s] = slot
+                    out[_RECV[0][sc.lane_of(c)]][f[(mb, c - 1)], s] = slot
                 else:
                     k, t = back[(mb, c)]
                     out[f"{k}_in"][t, s] = slot
-                    out["b_recv"][back[(mb, c + 1)][1], s] = slot
+                    out[_RECV[1][sc.lane_of(c)]][back[(mb, c + 1)][1], s] = slot
     return out, counts
 
 
@@ -297,7 +318,7 @@ def check_slots(schedule: Schedule, arrays: dict[str, np.ndarray] | None = None,
         if key not in arr or np.shape(arr[key]) != (T, p):
             raise ScheduleError(f"to_arrays()[{key!r}] is missing or not of shape [ticks, stages] = ({T}, {p}).")
     for key, space in _SLOT_SPACE.items():
-        lo = -1 if key.endswith("_recv") else 0
+        lo = -1 if "_recv" in key else 0
         bad = np.argwhere((arr[key] < lo) | (arr[key] >= counts[space]))
         if len(bad):
             t, s = bad[0]
@@ -309,7 +330,7 @@ def check_slots(schedule: Schedule, arrays: dict[str, np.ndarray] | None = None,
                 k = kind.lower()
                 named = None
                 if arr[f"{k}_valid"][t, s]:
-                    named = (int(arr[f"{k}_mb"][t, s]), int(arr[f"{k}_chunk"][t, s]) * p + s)
+                    named = (int(arr[f"{k}_mb"][t, s]), sc.chunk_at(s, int(arr[f"{k}_chunk"][t, s])))
                 acts = [(a.microbatch, a.chunk) for a in cell if a.kind == kind]
                 if named != (acts[0] if acts else None):
                     raise ScheduleError(f"to_arrays() at tick {t}, stage {s} names "
@@ -350,11 +371,21 @@ def check_slots(schedule: Schedule, arrays: dict[str, np.ndarray] | None = None,
                     write("stash", s, "f_stash", t, ("stash", a.microbatch, a.chunk), a)
                 elif a.kind == "I":
                     write("wstash", s, "i_wstash", t, ("wstash", a.microbatch, a.chunk), a)
-        for s in range(p):  # then what the two ppermutes deliver
-            for space, key, sender, kinds, step in (("fwd", "f_recv", (s - 1) % p, "F", 1),
-                                                    ("bwd", "b_recv", (s + 1) % p, "BI", -1)):
-                sent = [a for a in row[sender] if a.kind in kinds and 0 <= a.chunk + step < nc]
+        arriving = {}  # (receiving stage, key) -> the actions whose message lands there
+        for q, cell in enumerate(row):
+            for a in cell:
+                step = 1 if a.kind == "F" else -1 if a.kind in "BI" else 0
+                if step and 0 <= a.chunk + step < nc:
+                    to = a.chunk + step
+                    arriving.setdefault((sc.stage_of(to), _RECV[step < 0][sc.lane_of(to)]), []).append(a)
+        for s in range(p):  # then what the ppermutes deliver, lane by lane
+            for space, key, step in (("fwd", "f_recv", 1), ("fwd", "f_recv2", 1), ("bwd", "b_recv", -1),
+                                     ("bwd", "b_recv2", -1)):
+                sent = arriving.get((s, key), [])
                 slot = int(arr[key][t, s])
+                if len(sent) > 1:
+                    raise ScheduleError(f"{sent[0]} and {sent[1]} at tick {t} both send to stage {s}'s {key} lane: a "
+                                        f"lane receives one message per tick.")
                 if not sent:
                     if slot != -1:
                         raise ScheduleError(f"to_arrays()[{key!r}] at tick {t}, stage {s} is {slot}, but nothing "
@@ -395,7 +426,7 @@ def _ready(a: Action, done, last: int) -> bool:
 
 
 def _list_schedule(name: str, p: int, m: int, v: int, programs: Sequence[Sequence[Action]],
-                   one_action: bool) -> Schedule:
+                   one_action: bool, placement: str = "interleaved") -> Schedule:
     """Lock-step list scheduling: each tick, every stage runs the head of its program if its inputs
     arrived by the previous tick. With `one_action` a stage runs one action per tick; otherwise its
     F, its B/I and its W streams advance independently, so a tick may hold one of each."""
@@ -414,7 +445,7 @@ def _list_schedule(name: str, p: int, m: int, v: int, programs: Sequence[Sequenc
         done.update((a.kind, a.microbatch, a.chunk) for a in ran)
         remaining -= len(ran)
         ticks.append(row)
-    return Schedule(name, p, m, v, tuple(ticks))
+    return Schedule(name, p, m, v, tuple(ticks), placement=placement)
 
 
 def from_programs(name: str, p: int, m: int, programs: Sequence[Sequence[Action]], v: int = 1,
@@ -538,6 +569,42 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     return dataclasses.replace(sched, declared_stash=tuple(sched.peak_stash()))  # no closed form with m % p != 0
 
 
+def _list_schedule_cells(name: str, p: int, m: int, programs) -> Schedule:
+    """Lock-step list scheduling of V programs of cells (`vshape`: tuples of (kind, mb, chunk) run in
+    one tick): each tick, every stage runs its next cell once all of its inputs have arrived."""
+    queues = [deque(tuple(Action(*a) for a in cell) for cell in prog) for prog in programs]
+    done, ticks = set(), []
+    while any(queues):
+        row = tuple(q.popleft() if q and all(_ready(a, done, 2 * p - 1) for a in q[0]) else () for q in queues)
+        if not any(row):
+            raise ScheduleError(f"{name}: the stage programs deadlock at tick {len(ticks)}, where no stage's next "
+                                f"cell has its inputs; order each program consistently with the others.")
+        done.update((a.kind, a.microbatch, a.chunk) for cell in row for a in cell)
+        ticks.append(row)
+    return Schedule(name, p, m, 2, tuple(ticks), placement="v")
+
+
+def zb_v(p: int, m: int) -> Schedule:
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6), in torchtitan's order
+    (`vshape`): V placement, every backward split into I and W, one action per stage and tick. With
+    m >= 2p-1 it takes 6m + p - 1 ticks of half a stage's F, the least of any one-action V table
+    (stage p-1 starts at tick p-1); the stash holds at most 2p chunk inputs, p stages' worth: 1F1B's
+    stage-0 peak, which sizes every stage's buffer."""
+    _check_sizes("zb_v", p, m, 2)
+    return dataclasses.replace(_list_schedule_cells("zb_v", p, m, zb_v_programs(p, m)), declared_stash=(2 * p,) * p)
+
+
+def dualpipe_v(p: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek's DualPipe cut in half; `vshape`): V placement; the main step's ticks each
+    run one microbatch's F and another's fused B, so that the one's communication (hops, expert
+    all-to-alls) can hide behind the other's computation; warm-up and drain split their backwards,
+    the deferred Ws filling bubbles. Published (DualPipe's README): bubble (PP/2-1)(F&B + B - 3W)
+    and PP+1 chunks of activations per device, PP = 2p; the stash holds at most 2p + 1."""
+    _check_sizes("dualpipe_v", p, m, 2)
+    sched = _list_schedule_cells("dualpipe_v", p, m, dualpipe_v_programs(p, m))
+    return dataclasses.replace(sched, declared_stash=(2 * p + 1,) * p)
+
+
 _BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b_lockstep": one_f_one_b_lockstep,
              "1f1b_one_action": one_f_one_b_one_action, "zb_h1": zb_h1}
 
@@ -550,6 +617,14 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
     _check_sizes(name, p, m, v)
     if name == "interleaved_1f1b":
         return interleaved_1f1b(p, m, v)
+    if name in V_SCHEDULES:
+        if v != 2:
+            raise ScheduleError(f"virtual_stages={v} does not fit schedule {name!r}: its V placement puts exactly 2 "
+                                f"chunks on every stage (s and 2p-1-s); use virtual_stages=2.")
+        if p < 2:
+            raise ScheduleError(f"stages={p} is too few for schedule {name!r}: a V needs at least 2 stages; use "
+                                f"stages >= 2, or '1f1b' on one stage.")
+        return zb_v(p, m) if name == "zb_v" else dualpipe_v(p, m)
     if v != 1 and name == "zb_h1":
         raise ScheduleError(f"virtual_stages={v} is not built for schedule 'zb_h1' (only its one-chunk-per-stage "
                             f"form is); use virtual_stages=1 with 'zb_h1', or 'interleaved_1f1b' for several chunks "
@@ -561,14 +636,17 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
 
 
 def random_table(p: int, m: int, rng: np.random.RandomState | int, split: bool | str = True,
-                 v: int = 1) -> Schedule:
+                 v: int = 1, placement: str = "interleaved") -> Schedule:
     """A random table that `validate` accepts, for property tests of the executor: a random
     dependency-respecting order of every action (biased towards forwards or backwards by a random
     amount per table), cut into per-stage programs and list-scheduled into lock-step ticks that
     randomly pack one, two or three actions per stage and tick, and sometimes idle a stage that
     could run. `split`: True, every backward is I then W; False, every backward a fused B;
-    "mixed", each (microbatch, chunk) picks at random. `rng`: a numpy RandomState (or a seed)."""
+    "mixed", each (microbatch, chunk) picks at random. `rng`: a numpy RandomState (or a seed).
+    `placement="v"` (with v = 2): a random table of the V placement."""
     _check_sizes("random", p, m, v)
+    if placement not in PLACEMENTS or (placement == "v" and v != 2):
+        raise ScheduleError(f"placement={placement!r} with v={v}: pick 'interleaved', or 'v' with v=2.")
     if split not in (True, False, "mixed"):
         raise ScheduleError(f"split={split!r} is not True, False or 'mixed'; pick one of those.")
     rng = rng if isinstance(rng, np.random.RandomState) else np.random.RandomState(rng)
@@ -588,7 +666,8 @@ def random_table(p: int, m: int, rng: np.random.RandomState | int, split: bool |
         elif a.kind in "BI":
             avail += [Action("W", j, c)] if a.kind == "I" else []
             avail += [Action(kind[(j, c - 1)], j, c - 1)] if c > 0 else []
-    heads = [deque(a for a in order if a.chunk % p == s) for s in range(p)]
+    at = Schedule("", p, m, v, (), placement=placement).stage_of
+    heads = [deque(a for a in order if at(a.chunk) == s) for s in range(p)]
     pack, idle = rng.rand(), 0.3 * rng.rand()
     done, ticks = set(), []
     while any(heads):
@@ -610,7 +689,7 @@ def random_table(p: int, m: int, rng: np.random.RandomState | int, split: bool |
         done.update((a.kind, a.microbatch, a.chunk) for cell in row for a in cell)
         ticks.append(tuple(row))
     return Schedule(f"random_{'split' if split is True else 'fused' if split is False else 'mixed'}", p, m, v,
-                    tuple(ticks))
+                    tuple(ticks), placement=placement)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,6 +712,10 @@ def validate(schedule: Schedule) -> Schedule:
     if p < 1 or m < 1 or sc.virtual_stages < 1:
         raise ScheduleError(f"schedule {sc.name!r} has stages={p}, microbatches={m}, "
                             f"virtual_stages={sc.virtual_stages}; all must be >= 1.")
+    if sc.placement not in PLACEMENTS or (sc.placement == "v" and sc.virtual_stages != 2):
+        raise ScheduleError(f"schedule {sc.name!r} has placement={sc.placement!r} with virtual_stages="
+                            f"{sc.virtual_stages}: the placements are 'interleaved' (any v) and 'v' (v = 2 only, "
+                            f"chunks s and 2p-1-s on stage s); use one of them.")
     seen: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
     for t, row in enumerate(sc.ticks):
         if len(row) != p:
@@ -645,8 +728,9 @@ def validate(schedule: Schedule) -> Schedule:
                     raise ScheduleError(f"tick {t}, stage {s}: {a} is out of range (microbatches 0..{m - 1}, "
                                         f"chunks 0..{nc - 1}).")
                 if sc.stage_of(a.chunk) != s:
+                    rule = f"chunk % {p}" if sc.placement != "v" else f"V placement: chunks s and {2 * p - 1}-s on stage s"
                     raise ScheduleError(f"tick {t}: {a} is on stage {s}, but chunk {a.chunk} lives on "
-                                        f"stage {sc.stage_of(a.chunk)} (chunk % {p}).")
+                                        f"stage {sc.stage_of(a.chunk)} ({rule}).")
                 seen.setdefault((a.kind, a.microbatch, a.chunk), []).append((t, s))
             for lane, kinds in enumerate(("F", "B or I", "W")):
                 here = [a for a in cell if _LANE[a.kind] == lane]
@@ -675,10 +759,10 @@ def validate(schedule: Schedule) -> Schedule:
     for (kind, mb, c), t in sorted(when.items(), key=lambda kv: kv[1]):
         if kind == "F" and c + 1 < nc and ("F", mb, c + 1) not in when:
             raise ScheduleError(f"{Action(kind, mb, c)} at tick {t} sends its activation to chunk {c + 1} on stage "
-                                f"{(c + 1) % p}, but F(mb {mb}, chunk {c + 1}) never runs: a send nobody receives.")
+                                f"{sc.stage_of(c + 1)}, but F(mb {mb}, chunk {c + 1}) never runs: a send nobody receives.")
         if kind in "BI" and c > 0 and back(mb, c - 1) is None:
             raise ScheduleError(f"{Action(kind, mb, c)} at tick {t} sends its gradient to chunk {c - 1} on stage "
-                                f"{(c - 1) % p}, but no B or I of (mb {mb}, chunk {c - 1}) runs: a send nobody receives.")
+                                f"{sc.stage_of(c - 1)}, but no B or I of (mb {mb}, chunk {c - 1}) runs: a send nobody receives.")
     for mb in range(m):
         for c in range(nc):
             if ("F", mb, c) not in when:
@@ -696,7 +780,7 @@ def validate(schedule: Schedule) -> Schedule:
             need, rule = [("F", mb, c)] + ([back(mb, c + 1)] if c < nc - 1 else []), _RULE["BI"]
         for dep in need:
             if when[dep] >= t:
-                raise ScheduleError(f"{Action(kind, mb, c)} runs at tick {t}, on stage {c % p}, but its input from "
+                raise ScheduleError(f"{Action(kind, mb, c)} runs at tick {t}, on stage {sc.stage_of(c)}, but its input from "
                                     f"{Action(*dep)} (tick {when[dep]}) arrives only at tick {when[dep] + 1}: "
                                     f"dependency order is broken ({rule}).")
     if sc.declared_stash is not None:
@@ -707,91 +791,3 @@ def validate(schedule: Schedule) -> Schedule:
     check_slots(sc)
     return sc
 
-
-# ---------------------------------------------------------------------------------------------
-# Simulator.
-
-@dataclasses.dataclass(frozen=True)
-class Simulation:
-    """What a schedule costs. Times are in units of one stage's F (f_cost) of all its layers: a chunk
-    costs 1/v of that. bubble_fraction = idle stage-time / all stage-time; bubble_over_ideal =
-    idle stage-time / busy stage-time (Megatron's idle / ideal, (p-1)/m for 1F1B)."""
-    total_time: float
-    bubble_fraction: float
-    tick_times: tuple[float, ...]
-    peak_stash: tuple[int, ...]
-    peak_buffered: tuple[tuple[int, int], ...]
-    bytes_per_tick: tuple[int, ...] | None
-    bubble_over_ideal: float = 0.0
-    peak_wstash: tuple[int, ...] = ()
-    costs: tuple[tuple[str, float], ...] = ()  # (kind, cost of one stage's layers) for F, B, I, W
-
-
-def action_costs(f_cost: float = 1.0, b_cost: float | None = None, i_cost: float | None = None,
-                 w_cost: float | None = None) -> dict[str, float]:
-    """The cost of each action kind (of one stage's layers): F = f_cost; I and W = i_cost, w_cost,
-    or half of b_cost each where b_cost alone is given, or 1; B = b_cost, or I + W where it is not
-    given. With b_cost and one of i_cost / w_cost, the other is the rest of b_cost."""
-    if b_cost is None:
-        i = 1.0 if i_cost is None else i_cost
-        w = 1.0 if w_cost is None else w_cost
-        b = i + w
-    else:
-        b = b_cost
-        i = b / 2 if i_cost is None and w_cost is None else b - w_cost if i_cost is None else i_cost
-        w = b - i if w_cost is None else w_cost
-    costs = {"F": float(f_cost), "B": float(b), "I": float(i), "W": float(w)}
-    if any(x < 0 for x in costs.values()):
-        raise ScheduleError(f"action costs {costs} include a negative one; pass costs >= 0 (and b_cost >= the "
-                            f"given i_cost or w_cost).")
-    return costs
-
-
-def simulate(schedule: Schedule, f_cost: float = 1.0, b_cost: float | None = None,
-             activation_bytes: int | None = None, *, i_cost: float | None = None,
-             w_cost: float | None = None) -> Simulation:
-    """Cost `schedule`: each tick takes the slowest stage's summed work, cost/v per action of each
-    kind (`action_costs`: F 1, I 1, W 1, B = I + W = 2 by default; b_cost alone splits evenly into I
-    and W). Idle time of a stage in a tick is the tick time minus its own work. With
-    `activation_bytes` (one message), bytes_per_tick counts the F and B / I sends that cross stages
-    in each tick."""
-    costs = action_costs(f_cost, b_cost, i_cost, w_cost)
-    v, p = schedule.virtual_stages, schedule.stages
-    work = np.zeros((schedule.num_ticks(), p))
-    sends = np.zeros(schedule.num_ticks(), np.int64)
-    for t, s, a in schedule.actions():
-        work[t, s] += costs[a.kind] / v
-        nxt = a.chunk + 1 if a.kind == "F" else a.chunk - 1
-        if a.kind != "W" and 0 <= nxt < schedule.chunks and nxt % p != s:
-            sends[t] += 1
-    tick_times = work.max(axis=1, initial=0.0)
-    total = float(tick_times.sum())
-    busy = float(work.sum())
-    idle = p * total - busy
-    return Simulation(
-        total_time=total, bubble_fraction=idle / (p * total) if total > 0 else 0.0,
-        tick_times=tuple(float(x) for x in tick_times),
-        peak_stash=tuple(schedule.peak_stash()), peak_buffered=tuple(schedule.peak_buffered()),
-        bytes_per_tick=None if activation_bytes is None else tuple(int(n) * activation_bytes for n in sends),
-        bubble_over_ideal=idle / busy if busy > 0 else 0.0, peak_wstash=tuple(schedule.peak_wstash()),
-        costs=tuple(costs.items()))
-
-
-def ideal_bubble(name: str, p: int, m: int, v: int = 1) -> Fraction:
-    """Closed-form bubble, as idle / all stage-time, with every action of the table costing the
-    same (F = B for the fused tables, F = I = W for the split ones): (p-1)/(m+p-1) for gpipe and
-    1f1b_lockstep, (p-1)/(v*m+p-1) for interleaved_1f1b, 2(p-1)/(3m+2(p-1)) for 1f1b and
-    (p-1)/(3m+p-1) for zb_h1 (m >= p; with m < p, k/(3m+k) for k = 2p-1-m). Megatron's figure is
-    idle / ideal time, (p-1)/m for 1F1B; this is not it. 1f1b_one_action has no closed form here:
-    simulate it."""
-    if name in ("gpipe", "1f1b_lockstep"):
-        return Fraction(p - 1, m + p - 1)
-    if name == "interleaved_1f1b":
-        return Fraction(p - 1, v * m + p - 1)
-    if name == "1f1b":
-        return Fraction(2 * (p - 1), 3 * m + 2 * (p - 1))
-    if name == "zb_h1":  # fewer microbatches than stages leave part of the drain unfilled
-        idle = max(p - 1, 2 * p - 1 - m)
-        return Fraction(idle, 3 * m + idle)
-    raise ScheduleError(f"no closed-form bubble for schedule {name!r}: it is known for gpipe, 1f1b, 1f1b_lockstep, "
-                        f"interleaved_1f1b and zb_h1; use simulate() for the others.")

@@ -15,6 +15,7 @@ from jaxpar import model
 from jaxpar.config import Config
 from jaxpar.parallel import microbatches
 from jaxpar.parallel.gradients import Reduction, reduction
+from jaxpar.parallel.pipeline.placement import stage_of
 from jaxpar.parallel.pipeline.table import Table
 from jaxpar.parallel.stages import chunk_model, stage_layout
 from jaxpar.parallel.zero import Layout
@@ -44,8 +45,9 @@ class Setup:
     data_axes: tuple    # ("data",) where data has more than one shard, else ()
     reduction: Reduction  # where gradients are reduced and ZeRO-3's shards gathered (gradients.reduction)
     eos: int | None     # data.document_mask: the id that ends a document (`train.data.document_eos`), else None
-    fwd_pairs: tuple    # ppermute pairs of the forward hop (interleaved: round the ring)
-    bwd_pairs: tuple
+    fwd_pairs: tuple    # ppermute pairs of the forward hop (interleaved: round the ring; V: down, s -> s+1)
+    bwd_pairs: tuple    # of the backward hop (V: up, s+1 -> s; both directions carry both kinds, `tick.hop`)
+    last_stage: int     # the stage holding the last chunk (the head and the loss): p-1, or 0 under the V
 
     @property
     def dp(self) -> bool:
@@ -78,7 +80,7 @@ def make_setup(cfg: Config, mesh: Mesh, layout: Layout, table: Table, loss_sum: 
     dp = mesh.shape[DATA] > 1
     # Every chunk runs the same slots per stack; a slot that holds none of its layers is skipped
     # and receives no gradient (`jaxpar.parallel.stages`: uneven stages, dense first layers).
-    slots = stage_layout(cfg.model, p, v, cfg.parallel.stage_layers)
+    slots = stage_layout(cfg.model, p, v, cfg.parallel.stage_layers, table.placement)
     chunk_cfg = chunk_model(cfg.model, slots)
     model.param_names(chunk_cfg)  # build (and cache) the chunk model's abstract state outside any mesh context
     return Setup(
@@ -89,6 +91,8 @@ def make_setup(cfg: Config, mesh: Mesh, layout: Layout, table: Table, loss_sum: 
         # ZeRO-2, per microbatch: every B reduce-scatters its sharded gradients where they arise (a
         # seed per leaf, `jaxpar.sharding.Handout`), and the accumulator holds shards only.
         reduction=reduction(cfg, mesh.shape[DATA], p),
-        # Interleaved chunks travel round the ring (the last stage's chunk k feeds stage 0's chunk k+1).
-        fwd_pairs=tuple((i, (i + 1) % p) for i in range(p if v > 1 else p - 1)),
-        bwd_pairs=tuple(((i + 1) % p, i) for i in range(p if v > 1 else p - 1)))
+        # Interleaved chunks travel round the ring (the last stage's chunk k feeds stage 0's chunk
+        # k+1); the V's never do (its turn, chunk p-1 to p, stays on stage p-1).
+        fwd_pairs=tuple((i, (i + 1) % p) for i in range(p if v > 1 and table.placement != "v" else p - 1)),
+        bwd_pairs=tuple(((i + 1) % p, i) for i in range(p if v > 1 and table.placement != "v" else p - 1)),
+        last_stage=stage_of(p * v - 1, p, table.placement))

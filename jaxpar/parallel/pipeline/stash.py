@@ -148,6 +148,13 @@ def from_slots(g: jax.Array, dim: int | None, layer_slot: np.ndarray, p: int, st
     return jnp.take(jax.lax.all_to_all(g, STAGE, dim, 0, tiled=True), jnp.asarray(layer_slot), axis=0)
 
 
+def permute_chunks(w: jax.Array, order) -> jax.Array:
+    """The leading `layers` dim cut into len(order) equal chunks, chunk i of the result being
+    chunk order[i] of `w` (static slices, one concatenation)."""
+    n = w.shape[0] // len(order)
+    return jnp.concatenate([w[int(c) * n:(int(c) + 1) * n] for c in order])
+
+
 def reorder(w: jax.Array, outer: int, inner: int) -> jax.Array:
     """[outer, inner, chunk layers, ...] -> [inner, outer, ...] along the leading `layers` dim."""
     chunk = w.shape[0] // (outer * inner)

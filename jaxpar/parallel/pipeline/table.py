@@ -29,10 +29,11 @@ class Table:
     """A schedule as the executor consumes it: int32 rows [ticks, p] and slot counts per stage.
 
     `rows` holds, per (tick, stage): `{f,b}_valid`, `{f,b}_mb`, `{f,b}_chunk` (the stage's local
-    chunk: global chunk = local * p + stage), the slots each action reads and writes (`f_in`: the
+    chunk: the global chunk is `placement.chunk_at(stage, local)`), the slots each action reads and writes (`f_in`: the
     received activation F reads, `f_stash`: where F saves, `b_stash`: what B reads, `b_in`: the
     received gradient B reads) and `f_recv` / `b_recv`: the slot a message arriving at the end
-    of the tick lands in (-1: none). Each slot space is shared by the stage's chunks."""
+    of the tick lands in (-1: none), `f_recv2` / `b_recv2` likewise for the V placement's second
+    lane (messages into its second half). Each slot space is shared by the stage's chunks."""
 
     rows: dict[str, np.ndarray]
     chunks: int     # v: chunks per stage
@@ -41,6 +42,20 @@ class Table:
     bwd_slots: int  # received gradients waiting for their B, per stage
     wstash: int = 1     # slots per stage of what I saved for its W
     split: bool = False  # does the table split backwards into I and W?
+    placement: str = "interleaved"  # which stage holds which chunk (`jaxpar.parallel.pipeline.placement`)
+
+    @property
+    def overlap(self) -> bool:
+        """Does a tick run one microbatch's F beside another's fused B on one stage of a V (DualPipeV's
+        F&B)? Then the tick keeps F independent of B and W (`tick.tick`)."""
+        return self.placement == "v" and bool((self.rows["f_valid"] * self.rows["b_valid"]).any())
+
+    @property
+    def one_message(self) -> bool:
+        """Does every stage send at most one message a tick (no tick with F and B or I on one stage)?
+        Then a V tick sends that one message both ways, not F's and B's apart (`tick.hop`)."""
+        r = self.rows
+        return not (r["f_valid"] * (r["b_valid"] + r["i_valid"])).any()
 
     @property
     def ticks(self) -> int:
@@ -53,4 +68,5 @@ def table_of(schedule) -> Table:
     counts = schedule.slot_counts()
     rows = {k: np.asarray(x, np.int32) for k, x in schedule.to_arrays().items()}
     return Table(rows=rows, chunks=schedule.virtual_stages, stash=counts["stash"], fwd_slots=counts["fwd"],
-                 bwd_slots=counts["bwd"], wstash=counts["wstash"], split=schedule.split)
+                 bwd_slots=counts["bwd"], wstash=counts["wstash"], split=schedule.split,
+                 placement=schedule.placement)

@@ -31,6 +31,7 @@ class Carry(NamedTuple):
     loss: jax.Array      # the summed loss of the microbatches this stage finished
     maxima: dict         # train.qk_clip: kind -> float32 [v, layers per chunk, N], "mtp" -> [depths, N]:
                          # the largest logit per head this stage's F saw (-inf: none yet); else {}
+    g_head: dict = {}    # (`Table.overlap` only) F's own float32 accumulator of the shared leaves' gradients
 
 
 class Row(NamedTuple):
@@ -54,6 +55,8 @@ class Row(NamedTuple):
     w_wstash: jax.Array
     f_recv: jax.Array    # the fwd_buf slot an arriving activation lands in (-1: none)
     b_recv: jax.Array    # the bwd_buf slot an arriving gradient lands in (-1: none)
+    f_recv2: jax.Array   # the same for the second lane (the V's second half; -1 under other placements)
+    b_recv2: jax.Array
 
 
 def read_row(row: dict, stage: jax.Array) -> Row:
@@ -62,7 +65,8 @@ def read_row(row: dict, stage: jax.Array) -> Row:
                b_valid=r["b_valid"], i_valid=r["i_valid"], bi_chunk=r["b_chunk"] + r["i_chunk"],
                bi_in=r["b_in"] + r["i_in"], bi_stash=r["b_stash"] + r["i_stash"], i_stash=r["i_stash"],
                i_wstash=r["i_wstash"], w_valid=r["w_valid"], w_chunk=r["w_chunk"], w_stash=r["w_stash"],
-               w_wstash=r["w_wstash"], f_recv=r["f_recv"], b_recv=r["b_recv"])
+               w_wstash=r["w_wstash"], f_recv=r["f_recv"], b_recv=r["b_recv"], f_recv2=r["f_recv2"],
+               b_recv2=r["b_recv2"])
 
 
 def _maxima_axes(plan: StagePlan, key: str) -> tuple:
@@ -78,6 +82,14 @@ def no_maxima(plan: StagePlan, chunks: bool = False) -> dict:
                                _maxima_axes(plan, key)) - jnp.inf for key, a in plan.maxima.items()}
 
 
+def empty_stash(plan: StagePlan, slots: int) -> dict:
+    """A stash of `slots` slots, zeros (`initial_carry`'s; `Table.overlap`: F's one slot apart)."""
+    axes = lambda a: tuple(sorted({*aval_varying_axes(a), *plan.setup.data_axes, STAGE}))  # noqa: E731
+    return {"ends": tuple(actions.zeros(plan, (slots, a.size), a.dtype, axes(a)) for a in plan.end_avals),
+            "layers": {kind: tuple(actions.zeros(plan, (slots, plan.n_layers[kind], a.size), a.dtype, axes(a))
+                                   for a in plan.layer_avals[kind]) for kind in plan.kinds}}
+
+
 def initial_carry(plan: StagePlan, st: Stage) -> Carry:
     """The loop's first carry: empty buffers, stash and wstash of the plan's shapes, zero float32
     accumulators. A layer's stash leaf is stored [slots, layers of its stack, size], the
@@ -85,19 +97,18 @@ def initial_carry(plan: StagePlan, st: Stage) -> Carry:
     by offset; a reshaped view of the loop's carry there made XLA copy the whole buffer). (A stash
     slot varies over `stage`, whatever its value does: the tables differ per stage.)"""
     s, table = plan.setup, plan.setup.table
-    axes = lambda a: tuple(sorted({*aval_varying_axes(a), *s.data_axes, STAGE}))  # noqa: E731
-    stash = {"ends": tuple(actions.zeros(plan, (table.stash, a.size), a.dtype, axes(a)) for a in plan.end_avals),
-             "layers": {kind: tuple(actions.zeros(plan, (table.stash, plan.n_layers[kind], a.size), a.dtype, axes(a))
-                                    for a in plan.layer_avals[kind]) for kind in plan.kinds}}
+    stash = empty_stash(plan, table.stash)
     wstash = {key: actions.zeros(plan, (table.wstash, plan.chunk_layers[key[0]], *shape), dtype, ax)
               for key, (shape, dtype, ax) in plan.wstash_items.items()}
     g_blocks = plan.flat(microbatches.f32_zeros(
         jax.tree.map(lambda w, dim, m: _seed(w, dim + 1, s.d) if m else w, st.blocks, plan.block_dims,
                      plan.block_mask)))
+    g_shared = microbatches.f32_zeros(actions.diff_shared(plan, st))
     return Carry(actions.zeros(plan, (table.fwd_slots, *plan.act_shape)),
                  actions.zeros(plan, (table.bwd_slots, *plan.act_shape)),
-                 stash, wstash, g_blocks, microbatches.f32_zeros(actions.diff_shared(plan, st)),
-                 actions.zeros(plan, (), jnp.float32, (*s.data_axes, STAGE)), no_maxima(plan, chunks=True))
+                 stash, wstash, g_blocks, g_shared,
+                 actions.zeros(plan, (), jnp.float32, (*s.data_axes, STAGE)), no_maxima(plan, chunks=True),
+                 g_shared if table.overlap else {})
 
 
 def idle(plan: StagePlan):
@@ -136,11 +147,13 @@ def run_w(plan, r: Row, acc, bufs):
                               r.w_chunk)
 
 
-def run_f(plan, st, r: Row, fwd_buf, dep, stash, g_shared):
+def run_f(plan, st, r: Row, fwd_buf, dep, stash, g_shared, slot=None):
     """F, inside its cond: its input read from its receive slot, after B's and W's results (`dep`:
-    its cond runs after theirs), its residuals written into its stash slot."""
+    its cond runs after theirs), its residuals written into its stash slot (`slot`: that row of
+    `stash` instead)."""
     x_f = dep(get_row(fwd_buf, r.f_in))
-    y, stash, g_shared, loss, maxima = actions.forward(plan, st, x_f, r.f_mb, r.f_chunk, stash, r.f_stash, g_shared)
+    y, stash, g_shared, loss, maxima = actions.forward(plan, st, x_f, r.f_mb, r.f_chunk, stash,
+                                                       r.f_stash if slot is None else slot, g_shared)
     return y, stash, g_shared, loss, {key: vary(a, _maxima_axes(plan, key)) for key, a in maxima.items()}
 
 
@@ -155,26 +168,66 @@ def add_maxima(acc: dict, maxima: dict, k: jax.Array) -> dict:
             for key, a in acc.items()}
 
 
-def hop(plan, r: Row, y, dx, fwd_buf, bwd_buf):
-    """One hop per tick: F's output to the next stage, B's or I's input gradient to the previous
-    one; the row says which slot each arrival lands in (-1: nothing arrives). (Under a cond, not a
-    select with the row's old contents: a tick where nothing arrives neither reads nor writes the
-    buffer.)"""
+def _land(buf, x, slot):
+    """`x` into row `slot` of `buf` where `slot` >= 0. (Under a cond, not a select with the row's
+    old contents: a tick where nothing arrives neither reads nor writes the buffer.)"""
+    return jax.lax.cond(slot >= 0, lambda b: set_row(b, x, slot), lambda b: b, buf)
+
+
+def _both_ways(x, down: tuple, up: tuple) -> tuple:
+    """`x` sent one stage down (`down` pairs) and one stage up (`up`): what each stage receives
+    from above and from below. One collective where no stage is in both (p = 2), else two."""
+    if not {i for i, _ in down} & {i for i, _ in up}:
+        both = jax.lax.ppermute(x, STAGE, (*down, *up))
+        return both, both
+    return jax.lax.ppermute(x, STAGE, down), jax.lax.ppermute(x, STAGE, up)
+
+
+def hop(plan, r: Row, y, dx, fwd_buf, bwd_buf, index):
+    """The hops of one tick: F's output to the next chunk's stage, B's or I's input gradient to
+    the previous chunk's; the row says which slot each arrival lands in (-1: nothing arrives).
+
+    Interleaved placement: one collective-permute each (down the ring for F, up for B). V
+    placement: a stage's F goes down (first half) or up (second half) and its B or I the other
+    way round, so each is sent both ways: F's output down into the first lane (`f_recv`) and up
+    into the second (`f_recv2`), B's gradient up into the first (`b_recv`) and down into the
+    second (`b_recv2`); four collective-permutes per tick, two where p = 2 (each stage has one
+    neighbour), F's reading F's output only and B's B's only (so that DualPipeV's F&B ticks can
+    overlap the one's with the other's computation). Where no stage sends two messages in a
+    tick (`Table.one_message`: zb_v, one action per tick) the one message goes both ways: two
+    collective-permutes, one where p = 2. The turn of the V (chunk p-1 to p, and its gradient
+    back) is stage p-1's own: a select of its own y or dx, no send."""
     s = plan.setup
-    recv_f = jax.lax.ppermute(y, STAGE, s.fwd_pairs)
-    recv_b = jax.lax.ppermute(dx, STAGE, s.bwd_pairs)
-    rf, rb = r.f_recv, r.b_recv
-    fwd_buf = jax.lax.cond(rf >= 0, lambda b: set_row(b, recv_f, rf), lambda b: b, fwd_buf)
-    bwd_buf = jax.lax.cond(rb >= 0, lambda b: set_row(b, recv_b, rb), lambda b: b, bwd_buf)
+    if s.table.placement != "v":
+        fwd_buf = _land(fwd_buf, jax.lax.ppermute(y, STAGE, s.fwd_pairs), r.f_recv)
+        return fwd_buf, _land(bwd_buf, jax.lax.ppermute(dx, STAGE, s.bwd_pairs), r.b_recv)
+    turn = index == s.p - 1
+    if s.table.one_message:
+        y = dx = jnp.where(r.f_valid > 0, y, dx)
+        (f_down, f_up) = (b_down, b_up) = _both_ways(y, s.fwd_pairs, s.bwd_pairs)
+    else:
+        f_down, f_up = _both_ways(y, s.fwd_pairs, s.bwd_pairs)
+        b_down, b_up = _both_ways(dx, s.fwd_pairs, s.bwd_pairs)
+    fwd_buf = _land(_land(fwd_buf, f_down, r.f_recv), jnp.where(turn, y, f_up), r.f_recv2)
+    bwd_buf = _land(_land(bwd_buf, jnp.where(turn, dx, b_up), r.b_recv), b_down, r.b_recv2)
     return fwd_buf, bwd_buf
 
 
 def tick(plan: StagePlan, st: Stage, carry: Carry, row: dict):
     """One tick of the table on this stage: B or I, then W, then F (as the row says; F last, so
     that its residuals go into its stash slot inside its own cond, DESIGN.md §5.3), one hop each
-    way, and the arrivals into their buffer slots. The `lax.scan` body over the table's rows."""
-    taps = plan.taps
-    fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc, maxima_acc = carry
+    way, and the arrivals into their buffer slots. The `lax.scan` body over the table's rows.
+
+    Under a table of F&B ticks (`Table.overlap`: DualPipeV's F of one microbatch beside the fused
+    B of another) F takes nothing B or W computed, so that neither's collectives wait for the
+    other's computation: no `after` on F's input, its own accumulator of the shared leaves'
+    gradients (`Carry.g_head`, summed after the loop), and its residuals written into a stash of
+    one slot of its own, copied into its slot of the stash after B's and W's reads (as `after`
+    orders every other write; F writing the stash itself, unordered with their reads, made XLA
+    copy the whole stash every tick: 1.76x the step's temp memory at p = 4). The cost: one slot's
+    copy per F, and zeros of one slot on a tick without F."""
+    taps, overlap = plan.taps, plan.setup.table.overlap
+    fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc, maxima_acc, g_head = carry
     r = read_row(row, st.index)
     # Each action reads its input row (F's activation, B's or I's cotangent) inside its own cond,
     # so an idle tick copies none; it sends `idle`, which no receiver writes. The gradients
@@ -213,9 +266,16 @@ def tick(plan: StagePlan, st: Stage, carry: Carry, row: dict):
     # the one F fills in the same tick). (Only the first chunk's B, the embedding, and the last
     # chunk's F, the head, add to the shared leaves' vocabulary-sized float32 accumulators,
     # inside their own conds.)
-    y, stash, g_shared, loss, maxima = jax.lax.cond(
-        r.f_valid > 0, lambda stash, g: run_f(plan, st, r, fwd_buf, dep, stash, g),
-        lambda stash, g: no_f(plan, stash, g), stash, g_shared)
-    fwd_buf, bwd_buf = hop(plan, r, y, dx, fwd_buf, bwd_buf)
+    if overlap:  # (see above: F apart from B and W)
+        y, own, g_head, loss, maxima = jax.lax.cond(
+            r.f_valid > 0, lambda g: run_f(plan, st, r, fwd_buf, lambda x: x, empty_stash(plan, 1), g, 0),
+            lambda g: no_f(plan, empty_stash(plan, 1), g), g_head)
+        stash = jax.lax.cond(r.f_valid > 0, lambda s: jax.tree.map(
+            lambda b, o: jax.lax.dynamic_update_slice_in_dim(b, dep(o), r.f_stash, 0), s, own), lambda s: s, stash)
+    else:
+        y, stash, g_shared, loss, maxima = jax.lax.cond(
+            r.f_valid > 0, lambda stash, g: run_f(plan, st, r, fwd_buf, dep, stash, g),
+            lambda stash, g: no_f(plan, stash, g), stash, g_shared)
+    fwd_buf, bwd_buf = hop(plan, r, y, dx, fwd_buf, bwd_buf, st.index)
     return Carry(fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc + loss,
-                 add_maxima(maxima_acc, maxima, r.f_chunk)), None
+                 add_maxima(maxima_acc, maxima, r.f_chunk), g_head), None

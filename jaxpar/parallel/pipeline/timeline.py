@@ -1,10 +1,11 @@
 """A schedule table's timeline: text (one row per stage, one column per tick) and PNG (matplotlib),
-with the simulator's bubble and peak stash (`jaxpar.parallel.pipeline.schedules.simulate`). Plain Python
+with the simulator's bubble and peak stash (`jaxpar.parallel.pipeline.simulate`). Plain Python
 and numpy, as the tables are; `python -m jaxpar.schedules` prints and draws them."""
 
 from __future__ import annotations
 
-from jaxpar.parallel.pipeline.schedules import KINDS, Action, Schedule, ScheduleError, ideal_bubble, simulate
+from jaxpar.parallel.pipeline.schedules import KINDS, Action, Schedule, ScheduleError
+from jaxpar.parallel.pipeline.simulate import ideal_bubble, simulate
 
 
 def _cell(schedule: Schedule, cell: tuple[Action, ...]) -> str:
