@@ -336,3 +336,16 @@ def folder_tensors(folder) -> dict[str, np.ndarray]:
         if f.endswith(".safetensors"):
             out |= load_file(os.path.join(folder, f))
     return out
+
+
+def edit_schedule(schedule, drop=(), add=()):
+    """A copy of a pipeline `Schedule` without the actions in `drop` and with (tick, stage, action)
+    in `add` (the table validator's tests break valid tables so)."""
+    import dataclasses
+
+    ticks = [[[a for a in cell if a not in drop] for cell in row] for row in schedule.ticks]
+    for t, s, a in add:
+        while len(ticks) <= t:
+            ticks.append([[] for _ in range(schedule.stages)])
+        ticks[t][s].append(a)
+    return dataclasses.replace(schedule, ticks=tuple(tuple(tuple(c) for c in row) for row in ticks))

@@ -7,6 +7,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+from helpers import edit_schedule
 from jaxpar.parallel import schedules as schedules_module
 from jaxpar.parallel.pipeline.simulate import ideal_bubble, simulate
 from jaxpar.parallel.schedules import (SCHEDULES, Action, Schedule, ScheduleError, build, check_slots, from_programs,
@@ -30,16 +31,6 @@ def _cases():
                     yield name, p, m, v
 
 
-def _edit(schedule: Schedule, drop=(), add=()) -> Schedule:
-    """A copy of `schedule` without the actions in `drop` and with (tick, stage, action) in `add`."""
-    ticks = [[[a for a in cell if a not in drop] for cell in row] for row in schedule.ticks]
-    for t, s, a in add:
-        while len(ticks) <= t:
-            ticks.append([[] for _ in range(schedule.stages)])
-        ticks[t][s].append(a)
-    return dataclasses.replace(schedule, ticks=tuple(tuple(tuple(c) for c in row) for row in ticks))
-
-
 @pytest.mark.parametrize("name,p,m,v", list(_cases()))
 def test_every_built_schedule_is_valid(name, p, m, v):
     sc = build(name, p, m, v)
@@ -56,26 +47,26 @@ def test_every_built_schedule_is_valid(name, p, m, v):
 def test_validator_rejects_a_missing_b():
     sc = one_f_one_b_lockstep(4, 8)  # the last chunk's B receives nothing, so only its absence is wrong
     with pytest.raises(ScheduleError, match=r"B\(mb 0, chunk 3\) never runs \(nor an I and a W\); every microbatch needs"):
-        validate(_edit(sc, drop=[Action("B", 0, 3)]))
+        validate(edit_schedule(sc, drop=[Action("B", 0, 3)]))
 
 
 def test_validator_rejects_a_b_before_its_f():
     sc = gpipe(2, 2)  # stage 1 idles at tick 0; B(mb 1, chunk 1) moved there precedes F(mb 1, chunk 1)
-    moved = _edit(sc, drop=[Action("B", 1, 1)], add=[(0, 1, Action("B", 1, 1))])
+    moved = edit_schedule(sc, drop=[Action("B", 1, 1)], add=[(0, 1, Action("B", 1, 1))])
     with pytest.raises(ScheduleError, match=r"B\(mb 1, chunk 1\) runs at tick 0, .*F\(mb 1, chunk 1\).*dependency"):
         validate(moved)
 
 
 def test_validator_rejects_a_forward_before_its_input_arrives():
     sc = gpipe(3, 2)  # F(mb 0, chunk 1) at tick 0, with F(mb 0, chunk 0) also at tick 0
-    moved = _edit(sc, drop=[Action("F", 0, 1)], add=[(0, 1, Action("F", 0, 1))])
+    moved = edit_schedule(sc, drop=[Action("F", 0, 1)], add=[(0, 1, Action("F", 0, 1))])
     with pytest.raises(ScheduleError, match=r"F\(mb 0, chunk 1\) runs at tick 0.*arrives only at tick 1"):
         validate(moved)
 
 
 def test_validator_rejects_a_send_nobody_receives():
     sc = gpipe(4, 2)  # without F and B of mb 1 on chunk 2, chunk 1's send has no receiver
-    broken = _edit(sc, drop=[Action("F", 1, 2), Action("B", 1, 2)])
+    broken = edit_schedule(sc, drop=[Action("F", 1, 2), Action("B", 1, 2)])
     with pytest.raises(ScheduleError, match=r"F\(mb 1, chunk 1\).*a send nobody receives"):
         validate(broken)
 
@@ -84,15 +75,15 @@ def test_validator_rejects_an_action_on_the_wrong_stage():
     sc = interleaved_1f1b(2, 4, 2)
     t = sc.times()[("F", 0, 2)]  # chunk 2 lives on stage 0
     with pytest.raises(ScheduleError, match=r"chunk 2 lives on stage 0"):
-        validate(_edit(sc, drop=[Action("F", 0, 2)], add=[(t, 1, Action("F", 0, 2))]))
+        validate(edit_schedule(sc, drop=[Action("F", 0, 2)], add=[(t, 1, Action("F", 0, 2))]))
 
 
 def test_validator_rejects_duplicates():
     sc = one_f_one_b_lockstep(2, 2)
     with pytest.raises(ScheduleError, match="at most one F"):
-        validate(_edit(sc, add=[(0, 0, Action("F", 1, 0))]))
+        validate(edit_schedule(sc, add=[(0, 0, Action("F", 1, 0))]))
     with pytest.raises(ScheduleError, match=r"F\(mb 1, chunk 0\) runs 2 times"):
-        validate(_edit(sc, add=[(len(sc.ticks), 0, Action("F", 1, 0))]))
+        validate(edit_schedule(sc, add=[(len(sc.ticks), 0, Action("F", 1, 0))]))
 
 
 @pytest.mark.parametrize("name,p,m,v", [c for c in _cases() if c[0] not in ("1f1b_one_action", "zb_v", "dualpipe_v")])

@@ -8,22 +8,13 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+from helpers import edit_schedule
 from jaxpar.parallel.pipeline.simulate import ideal_bubble, simulate
 from jaxpar.parallel.schedules import Action, Schedule, ScheduleError, build, check_slots, random_table, validate
 from jaxpar.parallel.timeline import render_text
 from jaxpar.schedules import main
 
 SIZES = [(p, m) for p in (2, 3, 4, 8) for m in sorted({1, 2, p, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p})]
-
-
-def _edit(schedule: Schedule, drop=(), add=()) -> Schedule:
-    """A copy of `schedule` without the actions in `drop` and with (tick, stage, action) in `add`."""
-    ticks = [[[a for a in cell if a not in drop] for cell in row] for row in schedule.ticks]
-    for t, s, a in add:
-        while len(ticks) <= t:
-            ticks.append([[] for _ in range(schedule.stages)])
-        ticks[t][s].append(a)
-    return dataclasses.replace(schedule, ticks=tuple(tuple(tuple(c) for c in row) for row in ticks))
 
 
 def _tick_of(sc: Schedule, kind: str, mb: int, chunk: int) -> tuple[int, int]:
@@ -141,7 +132,7 @@ def test_validator_refuses_a_chunk_on_the_interleaved_stage():
     t, _ = _tick_of(sc, "F", 7, p)
     with pytest.raises(ScheduleError, match=rf"F\(mb 7, chunk {p}\) is on stage 0, but chunk {p} lives on stage "
                                             rf"{p - 1} \(V placement"):
-        validate(_edit(sc, drop=[a], add=[(t, 0, a)]))
+        validate(edit_schedule(sc, drop=[a], add=[(t, 0, a)]))
     with pytest.raises(ScheduleError, match=r"lives on stage .* \(chunk % 4\)"):
         validate(dataclasses.replace(sc, placement="interleaved"))
 
@@ -150,12 +141,12 @@ def test_validator_refuses_the_local_hop_out_of_order():
     p = 4
     sc = build("zb_v", p, 8, 2)
     (t0, _), (t1, _) = _tick_of(sc, "F", 0, p - 1), _tick_of(sc, "F", 0, p)
-    swapped = _edit(sc, drop=[Action("F", 0, p - 1), Action("F", 0, p)],
+    swapped = edit_schedule(sc, drop=[Action("F", 0, p - 1), Action("F", 0, p)],
                     add=[(t0, p - 1, Action("F", 0, p)), (t1, p - 1, Action("F", 0, p - 1))])
     with pytest.raises(ScheduleError, match=rf"F\(mb 0, chunk {p}\) runs at tick {t0}, on stage {p - 1}, but its input "
                                             rf"from F\(mb 0, chunk {p - 1}\) \(tick {t1}\)"):
         validate(swapped)
-    same = _edit(sc, drop=[Action("F", 0, p)], add=[(t0, p - 1, Action("F", 0, p))])  # the hop takes a tick
+    same = edit_schedule(sc, drop=[Action("F", 0, p)], add=[(t0, p - 1, Action("F", 0, p))])  # the hop takes a tick
     with pytest.raises(ScheduleError, match=rf"tick {t0}, stage {p - 1} runs F\(mb 0, chunk {p - 1}\), F\(mb 0, chunk {p}\)"):
         validate(same)
 
@@ -164,9 +155,9 @@ def test_validator_refuses_a_second_half_forward_before_its_input_arrives():
     p = 4
     sc = build("zb_v", p, 8, 2)
     early = _tick_of(sc, "F", 3, p)[0]  # F(mb 3, chunk p+1) moved to its input's tick on stage p-2
-    moved = _edit(sc, drop=[Action("F", 3, p + 1)], add=[(early, p - 2, Action("F", 3, p + 1))])
+    moved = edit_schedule(sc, drop=[Action("F", 3, p + 1)], add=[(early, p - 2, Action("F", 3, p + 1))])
     if any(a.kind == "F" for a in moved.ticks[early][p - 2] if a.chunk != p + 1):
-        moved = _edit(moved, drop=[a for a in moved.ticks[early][p - 2] if a.kind == "F" and a.chunk != p + 1])
+        moved = edit_schedule(moved, drop=[a for a in moved.ticks[early][p - 2] if a.kind == "F" and a.chunk != p + 1])
     with pytest.raises(ScheduleError, match=rf"F\(mb 3, chunk {p + 1}\) runs at tick {early}, on stage {p - 2}, but "
                                             rf"its input from F\(mb 3, chunk {p}\)"):
         validate(moved)
@@ -176,12 +167,12 @@ def test_validator_refuses_w_before_i_and_i_before_its_successor():
     p = 3
     sc = build("zb_v", p, 6, 2)
     t_i, s = _tick_of(sc, "I", 2, 1)
-    moved = _edit(sc, drop=[Action("W", 2, 1)], add=[(t_i, s, Action("W", 2, 1))])
+    moved = edit_schedule(sc, drop=[Action("W", 2, 1)], add=[(t_i, s, Action("W", 2, 1))])
     with pytest.raises(ScheduleError, match=r"W\(mb 2, chunk 1\) runs at tick .* I\(mb 2, chunk 1\).*dependency"):
         validate(moved)
     # I(mb, c) needs I(mb, c+1): chunk p's gradient comes from chunk p+1 (stage p-2), moved before it
     t_next, _ = _tick_of(sc, "I", 0, p + 1)
-    moved = _edit(sc, drop=[Action("I", 0, p)], add=[(t_next, p - 1, Action("I", 0, p))])
+    moved = edit_schedule(sc, drop=[Action("I", 0, p)], add=[(t_next, p - 1, Action("I", 0, p))])
     with pytest.raises(ScheduleError, match=rf"I\(mb 0, chunk {p}\) runs at tick {t_next}.*I\(mb 0, chunk {p + 1}\)"):
         validate(moved)
 
