@@ -216,6 +216,7 @@ SLOW = {
     "1f1b-stage2-tp2": ((1, 2, 2), None, dict(zero=1, schedule="1f1b", microbatches=2), 2),
     "interleaved-stage2": ((1, 2, 1), {"n_layers": 4}, dict(zero=1, schedule="interleaved_1f1b", virtual_stages=2,
                                                              microbatches=2), 2),
+    "tp4-sp": ((2, 1, 4), {"n_kv_heads": 4}, dict(zero=1, sequence_parallel=True), 1),
     "remat-dots": ((8, 1, 1), None, dict(zero=1, remat="dots"), 1),
     "remat-full-zero3": ((8, 1, 1), None, dict(zero=3, remat="full"), 1),
 }

@@ -169,10 +169,13 @@ def test_parity(mesh, parallel):
     ((2, 1, 2), {"n_experts": 4, "experts_per_token": 2, "expert_d_ff": 16}, dict(zero=1, sequence_parallel=True)),
     ((4, 1, 1), {}, dict(zero=3, remat="full", microbatches=2)),
     ((2, 2, 1), {}, dict(zero=1, schedule="gpipe", microbatches=2)),
+    # (Current scaling cannot match one device here: with 2 data ranks and 2 microbatches a
+    # microbatch holds other rows than one device's, docs/fp8.md; delayed scales do not see them.)
+    ((2, 2, 2), {}, dict(zero=1, schedule="1f1b", microbatches=2, sequence_parallel=True)),
     ((1, 2, 2), {}, dict(schedule="zb_h1", microbatches=2, sequence_parallel=True)),
     ((1, 2, 1), {"n_layers": 4}, dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)),
 ], ids=["data2-zero2-microbatches2", "data8-zero1", "moe-ep2-tp2", "zero3-remat-full-microbatches2",
-        "gpipe-data2-stage2", "zb_h1-stage2-tp2-sp", "interleaved-stage2"])
+        "gpipe-data2-stage2", "1f1b-2x2x2-zero1", "zb_h1-stage2-tp2-sp", "interleaved-stage2"])
 def test_parity_slow(mesh, model, parallel):
     """Delayed scales do not depend on a microbatch's rows (unlike current scaling's): with
     microbatches the run is still the one-device run without them; the history is their maximum."""

@@ -168,15 +168,18 @@ def test_pallas_in_a_shard_map_matches_each_ranks_ragged_dot():
 
 
 # Parity with one device (the default kernel's run, shared with tests/test_moe.py's references):
-# data-8 with every expert on every rank (`experts_dropless`), and 8 experts over 8 data ranks
-# (`experts_parallel`). Each compiles twice and takes 30-40 s on 2 cores.
-PALLAS_PARITY = [dict(expert_parallel=False), dict(n_experts=8)]
+# data-8 with every expert on every rank (`experts_dropless`), 8 experts over 8 data ranks
+# (`experts_parallel`), expert parallelism beside tensor parallelism, and a 1F1B pipeline on
+# (2, 2, 2). Each compiles twice and takes 30-40 s on 2 cores.
+PALLAS_PARITY = [((8, 1, 1), dict(expert_parallel=False)), ((8, 1, 1), dict(n_experts=8)),
+                 ((4, 1, 2), dict()), ((2, 2, 2), dict(zero=0))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", PALLAS_PARITY, ids=["dropless_data8", "expert_parallel_data8"])
-def test_pallas_moe_matches_single_device(options):
-    cfg = moe_run(8, 1, 1, zero=1, **options)
+@pytest.mark.parametrize("mesh, options", PALLAS_PARITY,
+                         ids=["dropless_data8", "expert_parallel_data8", "ep4_tp2", "1f1b_2x2x2"])
+def test_pallas_moe_matches_single_device(mesh, options):
+    cfg = moe_run(*mesh, **{"zero": 1, **options})
     out = run_steps(cfg.replace(model={"moe_kernel": "pallas"}))
     assert_parity(out, reference_run(cfg))
     assert out["moe"].shape[1] >= 4  # the router metrics were compared
