@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from jaxpar.parallel.pipeline.schedules import SCHEDULES, V_SCHEDULES, ScheduleError, build, validate
+from jaxpar.parallel.pipeline.table import deferred_w_slots
 from jaxpar.parallel.pipeline.timeline import render_png, render_text
 
 
@@ -35,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--virtual-stages", "-v", type=int, default=None,
                         help="model chunks per stage v (interleaved_1f1b: any; zb_v, dualpipe_v: 2, their default; "
                              "the others: 1, their default)")
+    parser.add_argument("--remat", default="none", choices=("none", "dots", "dots_except_mlp", "full"),
+                        help="parallel.remat of the run: the table it runs (zb_v under a remat policy defers at most "
+                             "one W: jaxpar.parallel.pipeline.table.deferred_w_slots; default none)")
     parser.add_argument("--f-cost", type=float, default=1.0, help="forward time of one stage's layers (default 1)")
     parser.add_argument("--b-cost", type=float, default=None,
                         help="fused backward (B) time of one stage's layers (default: I + W)")
@@ -58,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ScheduleError(f"--png {args.png!r} is not an image file name (the drawing's format follows the "
                                 "extension: .png, .svg, .pdf, ...); pass e.g. --png schedule.png.")
         v = args.virtual_stages if args.virtual_stages is not None else 2 if args.schedule in V_SCHEDULES else 1
-        schedule = validate(build(args.schedule, args.stages, args.microbatches, v))
+        schedule = validate(build(args.schedule, args.stages, args.microbatches, v,
+                                  deferred_w_slots(args.schedule, args.remat)))
         text = render_text(schedule, args.f_cost, args.b_cost, args.activation_bytes, i_cost=args.i_cost,
                            w_cost=args.w_cost)
         if args.png:

@@ -53,6 +53,11 @@ MATRIX = {
     "gpt2-dp8-zero3": dict(arch="gpt2", mesh=(8, 1, 1), zero=3),
     "pp4-tp2-zb-dots": dict(mesh=(1, 4, 2), schedule="zb_h1", microbatches=8, remat="dots"),
     "dp2-tp4-dots-except-mlp": dict(mesh=(2, 1, 4), remat="dots_except_mlp"),
+    # The V placement (chunks s and 2p-1-s on stage s): the chunks exchanged from model order and
+    # the gradients back by two collective-permutes over `stage` each way, ZB-V's one message a tick
+    # both ways, DualPipeV's F and B apart (and its F&B ticks' own stash slot and accumulator).
+    "dp2-pp4-zbv-dots": dict(mesh=(2, 4, 1), L=8, schedule="zb_v", virtual_stages=2, microbatches=8, remat="dots"),
+    "3d-dualpipe-v": dict(mesh=(2, 2, 2), schedule="dualpipe_v", virtual_stages=2, microbatches=4),
 }
 SLOW = {
     "one-device": dict(mesh=(1, 1, 1)),
@@ -73,6 +78,8 @@ SLOW = {
     # 6 layers on 4 stages: the stacks stored with `stage` on another dim, each stage's layer
     # slots handed out by an all-to-all over `stage` and the gradients back.
     "dp2-pp4-uneven": dict(mesh=(2, 4, 1), L=6, microbatches=4, stage_layers=(1, 2, 2, 1)),
+    "dp2-pp4-dualpipe-v-full": dict(mesh=(2, 4, 1), L=8, schedule="dualpipe_v", virtual_stages=2, microbatches=8,
+                                    remat="full"),
 }
 # Where the gradients' reduction plan (`jaxpar.parallel.gradients.Reduction.gradient`) differs from
 # the matrix's cases: ZeRO-3 gathered once per step (reduce-scattered once, after the microbatch
@@ -262,7 +269,7 @@ def test_every_ranked_configuration_passes_jaxpar_validation(tiny_plan):
     shapes = {e.shape for e in result.ranked}
     assert {(8, 1, 1), (1, 4, 2), (2, 2, 2), (2, 1, 4)} <= shapes
     assert {e.cfg.parallel.schedule for e in result.ranked if e.shape[1] > 1} == {
-        "1f1b", "zb_h1", "gpipe", "1f1b_one_action", "interleaved_1f1b"}
+        "1f1b", "zb_h1", "gpipe", "1f1b_one_action", "interleaved_1f1b", "zb_v", "dualpipe_v"}
     for e in result.ranked:
         validate(e.cfg)
         check_sizes(e.cfg, e.shape)
@@ -475,3 +482,29 @@ def test_overlap_hides_backward_collectives_and_collective_matmul_the_forward_on
     assert 0 < overlapped["model_comm"] < plain["model_comm"] < wire, (overlapped, plain, wire)
     # Forward and backward collectives are half each (remat none): the backward half hides.
     assert plain["model_comm"] == pytest.approx(wire / 2, rel=0.05)
+
+
+def test_dualpipe_v_hides_the_hops_of_its_paired_ticks():
+    """DualPipeV's F&B ticks send F's and B's messages apart, neither waiting for the other's
+    computation: the planner hides those ticks' hops behind their compute, and only theirs (ZB-V,
+    one message a tick, exposes every hop, as it does the chunks' exchange before and after the
+    tick loop)."""
+    from jaxpar.costs import collectives, step_time
+    from jaxpar.plan.memory import _paired_ticks
+
+    hw = HARDWARE["h100-80gb"]
+    cfg = from_dict(MODELS["llama-7b"][1]).replace(
+        mesh={"data": 1, "stage": 4, "model": 1}, train={"global_batch": 16},
+        parallel={"schedule": "dualpipe_v", "virtual_stages": 2, "microbatches": 16, "remat": "full"})
+    shape, roof = (1, 4, 1), Roofline(hw, devices=4)
+    out = {}
+    for name in ("dualpipe_v", "zb_v"):
+        c = cfg.replace(parallel={"schedule": name})
+        stage = [x for x in collectives(c, shape) if x.axes == ("stage",)]
+        wire = lambda xs: sum(x.wire(4) / hw.intra_node_bw for x in xs)  # noqa: E731
+        out[name] = (step_time(c, shape, roof)["stage_comm"], wire(stage), wire([x for x in stage if x.overlap]))
+    assert _paired_ticks("dualpipe_v", 4, 16, 2) > 0 == _paired_ticks("zb_v", 4, 16, 2)
+    exposed, wire, paired = out["zb_v"]
+    assert paired == 0 and exposed == pytest.approx(wire)  # every hop exposed
+    exposed, wire, paired = out["dualpipe_v"]
+    assert paired > 0 and exposed == pytest.approx(wire - paired), out  # the paired ticks' hops hidden

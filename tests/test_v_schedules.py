@@ -83,6 +83,20 @@ def test_zb_v_targets_at_p4_m8():
     assert simulate(build("zb_v", 4, 10, 2)).bubble_fraction <= 0.05  # from m = 10 on
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 8), (4, 9), (8, 16)])
+def test_zb_v_with_fewer_deferred_ws_trades_a_tick_for_two_wstash_slots(p, m):
+    # `w_slots` caps the Ws the drain defers (zb_v under a remat policy: 0, `table.deferred_w_slots`):
+    # wstash slots w + 1 (uncapped 2p - 1) and floor((2p - 2 - w) / 2) ticks more, the stash unchanged.
+    free = build("zb_v", p, m, 2)
+    assert free.slot_counts()["wstash"] == 2 * p - 1
+    for w in range(2 * p - 1):
+        capped = validate(build("zb_v", p, m, 2, w_slots=w))
+        assert capped.slot_counts()["wstash"] == w + 1
+        assert capped.num_ticks() == 6 * m + p - 1 + (2 * p - 2 - w) // 2
+        assert capped.peak_stash() == free.peak_stash()
+    assert simulate(build("zb_v", 4, 8, 2, w_slots=0)).bubble_fraction == pytest.approx(3 / 27)  # ZB-H1's
+
+
 @pytest.mark.parametrize("p,m", SIZES)
 def test_zb_v_stashes_no_more_than_1f1b(p, m):
     # A stash entry of zb_v is half a stage's layers: 2p entries are 1F1B's p stage inputs (its

@@ -11,7 +11,9 @@ from jaxpar.config import Config
 from jaxpar.mesh import AXES
 from jaxpar.parallel.gradients import reduction
 from jaxpar.plan import moe as moe_costs
-from jaxpar.plan.memory import _BYTES, _fused_b, _schedule, _stage_slots, context_block, model_state, muon_deal
+from jaxpar.parallel.pipeline.table import hops_per_tick, v_reorder_share
+from jaxpar.plan.memory import (_BYTES, _fused_b, _paired_ticks, _schedule, _stage_slots, context_block, model_state,
+                                muon_deal, schedule_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +77,19 @@ def collectives(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu")
         sched, table = _schedule(cfg, p)
         ticks = sched.num_ticks()
         msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * act_size
-        # One forward and one backward ppermute every tick (idle stages send zeros).
-        out.append(Collective("collective-permute", ("stage",), msg, 2 * ticks))
+        # The tick's hops (idle stages send zeros): F's output and B's gradient, each both ways under
+        # the V unless no stage sends two in a tick (`pipeline.hops_per_tick`).
+        # On DualPipeV's F&B ticks each action's hop can run beside the other's computation
+        # (`overlap`: `steptime.step_time` hides them behind those ticks' compute).
+        hops, paired = hops_per_tick(table.placement, p, table.one_message), _paired_ticks(*schedule_key(cfg, p))
+        out.append(Collective("collective-permute", ("stage",), msg, hops * (ticks - paired)))
+        if paired:
+            out.append(Collective("collective-permute", ("stage",), msg, hops * paired, overlap=True))
         f32 = 4 / itemsize
         v = par.virtual_stages
         # What is reduced or gathered at use sits in the tick's action branches (B or W; F and B
         # or I for ZeRO-3's gathers), which the HLO states once per tick and chunk each.
-        branches = _fused_b(par.schedule, p, micro, v) + table.split
+        branches = _fused_b(*schedule_key(cfg, p)) + table.split
         shared, shared_sh = st["local"] - st["blocks"], st["sharded"] - st["blocks_sharded"]
         out += _data_reductions(cfg, red, gb, static=ticks * branches / v, groups=(
             (st["blocks"] - ep, st["blocks_sharded"]), (shared, shared_sh)))
@@ -109,7 +117,15 @@ def collectives(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu")
                                       static=ticks * uses / v))
                 if shared_sh:
                     out.append(Collective("all-gather", ("data",), shared_g, micro, overlap=True, static=ticks))
-        if _stage_slots(cfg, p) is not None or par.virtual_stages > 1:
+        if table.placement == "v" and _stage_slots(cfg, p) is None:
+            # The V's chunks from model order and the gradients back (`pipeline.stash.v_chunks`): the
+            # stored parameters (ZeRO-3: data shards) and the reduced gradients (ZeRO 1-3: shards),
+            # each by two collective-permutes over `stage`.
+            shards = st["blocks"] - st["blocks_sharded"] + st["blocks_sharded"] / d
+            share = v_reorder_share(p)
+            out.append(Collective("collective-permute", ("stage",), share * (shards if zero == 3 else st["blocks"])))
+            out.append(Collective("collective-permute", ("stage",), share * (shards if zero >= 1 else st["blocks"])))
+        elif _stage_slots(cfg, p) is not None or par.virtual_stages > 1:
             # Each stage's layer slots by an all-to-all over stage (`pipeline.stash.to_slots`), or
             # the interleaved chunks reordered into pipeline order (GSPMD's all-to-all over stage),
             # of the stored parameters (ZeRO-3: data shards), and the gradients back after their
@@ -206,7 +222,7 @@ def context_collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collec
         sched, table = _schedule(cfg, p)
         # Per tick, the layers of one chunk: F's forward and each backward branch's (B, or I).
         per_tick = sched.num_ticks() / par.virtual_stages
-        branches = _fused_b(par.schedule, p, micro, par.virtual_stages) + table.split
+        branches = _fused_b(*schedule_key(cfg, p)) + table.split
 
         def static(fwd: int, bwd: int) -> float:
             """How often the HLO states one run `fwd` times per layer in F, `bwd` in a backward."""

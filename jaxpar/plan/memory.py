@@ -192,27 +192,45 @@ def _strip_data(spec: P, also: str | None = None) -> P:
     return P(*map(drop, spec))
 
 
-def _schedule(cfg: Config, p: int):
+def schedule_key(cfg: Config, p: int) -> tuple:
+    """What the table a config runs on p stages depends on (`pipeline.table.schedule_of`): the
+    arguments of `_cached_schedule`, `_fused_b`, `_paired_ticks` and `steptime._simulated`."""
+    from jaxpar.parallel.pipeline.table import deferred_w_slots
     par = cfg.parallel
-    return _cached_schedule(par.schedule, p, par.microbatches, par.virtual_stages)
+    return par.schedule, p, par.microbatches, par.virtual_stages, deferred_w_slots(par.schedule, par.remat)
+
+
+def _schedule(cfg: Config, p: int):
+    return _cached_schedule(*schedule_key(cfg, p))
 
 
 @functools.lru_cache(maxsize=512)
-def _cached_schedule(name: str, p: int, m: int, v: int):
+def _cached_schedule(name: str, p: int, m: int, v: int, w_slots: int | None = None):
     from jaxpar.parallel.pipeline import Table
     from jaxpar.parallel.pipeline.schedules import build
-    sched = build(name, p, m, v)
+    from jaxpar.parallel.pipeline.table import one_message
+    sched = build(name, p, m, v, w_slots)
     # `pipeline.table_of` without its full validation of the table (jaxpar's own builders, tested
     # in test_schedules; a third of the planner's time on 1024 devices): the slot counts only.
     counts = sched.slot_counts()
     return sched, Table(rows={}, chunks=sched.virtual_stages, stash=counts["stash"], fwd_slots=counts["fwd"],
-                        bwd_slots=counts["bwd"], wstash=counts["wstash"], split=sched.split)
+                        bwd_slots=counts["bwd"], wstash=counts["wstash"], split=sched.split,
+                        placement=sched.placement, one_message=one_message(sched))
 
 
 @functools.lru_cache(maxsize=512)
-def _fused_b(name: str, p: int, m: int, v: int) -> bool:
+def _fused_b(name: str, p: int, m: int, v: int, w_slots: int | None = None) -> bool:
     """Does the schedule hold a fused backward B (not only I and W)?"""
-    return any(a.kind == "B" for _, _, a in _cached_schedule(name, p, m, v)[0].actions())
+    return any(a.kind == "B" for _, _, a in _cached_schedule(name, p, m, v, w_slots)[0].actions())
+
+
+@functools.lru_cache(maxsize=512)
+def _paired_ticks(name: str, p: int, m: int, v: int, w_slots: int | None = None) -> int:
+    """Ticks of the schedule where a stage runs one microbatch's F beside another's fused B
+    (DualPipeV's F&B: `tick.tick` keeps the two independent, so each one's hop can run beside the
+    other's computation)."""
+    return sum(any({a.kind for a in cell} >= {"F", "B"} for cell in row)
+               for row in _cached_schedule(name, p, m, v, w_slots)[0].ticks)
 
 
 def uses_flash_attention(cfg: Config, platform: str) -> bool:
@@ -328,7 +346,7 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # only the output cotangents (`pipeline.stashes_inputs`; an MoE layer's expert inputs
         # counted as written, a small overestimate).
         from jaxpar.parallel.pipeline import stashes_inputs
-        if stashes_inputs(par.remat, table.split, _fused_b(par.schedule, p, par.microbatches, v),
+        if stashes_inputs(par.remat, table.split, _fused_b(*schedule_key(cfg, p)),
                           slots is not None and slots.gather):
             taps -= int(seqs * tokens * layers * (_tap_input_width(m, t, mlp=False)
                                                      + (1 - f) * (_tap_input_width(m, t) - _tap_input_width(m, t, mlp=False)))
@@ -339,6 +357,11 @@ def memory(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu") -> d
         # (+ I's output before it is written, measured on CPU; with remat `dots` or `full` XLA
         # writes it into the wstash in place.)
         grads = shards * f32 + st["local"] * g
+        if table.placement == "v" and not table.one_message:
+            # DualPipeV's F&B ticks (`tick.tick`): F's own stash slot, copied into its stash slot
+            # after B's and W's reads, and its own float32 accumulator of the shared leaves' gradients.
+            buffers += act["layers"] + msg
+            grads += (st["local"] - st["blocks"]) * f32
     grads += upcast
     logits = int(cfg.train.global_batch / (d * micro) * m.seq_len) * m.padded_vocab // t * 4  # (B·T/(d·m) tokens)
     # What remat recomputes in a layer's backward: `layer_backward` counts what the layer's

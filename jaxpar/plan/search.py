@@ -140,13 +140,16 @@ def _context_rows(cfg: Config, shape) -> int:
 
 def _variants(cfg: Config, shape: tuple[int, int, int], split, m: int | None = None):
     """The ZeRO stage, sequence parallelism (with a model axis), schedule (with a stage axis;
-    interleaved with 2 chunks per stage, where the stages are even) and, with 16-bit parameters, a
+    interleaved, zb_v and dualpipe_v with 2 chunks per stage, where the stages are even; the V
+    ones where there is a layer per chunk) and, with 16-bit parameters, a
     float32 master copy or none (`train.master_weights`) of one candidate group."""
     d, p, t = shape
     masters = ("none", "float32") if cfg.model.param_dtype != "float32" else ("none",)
     schedules = [("1f1b", 1)] if p == 1 else [("1f1b", 1), ("zb_h1", 1), ("gpipe", 1), ("1f1b_one_action", 1)]
     if p > 1 and split is None:
         schedules.append(("interleaved_1f1b", 2))
+        if cfg.model.n_layers >= 2 * p:  # (a V needs a layer per chunk)
+            schedules += [("zb_v", 2), ("dualpipe_v", 2)]
     for zero in (0, 1, 2, 3):
         if d == 1 and zero:
             continue  # nothing to shard over data
@@ -202,8 +205,8 @@ def candidates(cfg: Config, devices: int, node_size: int):
     """Every (config, mesh shape) to consider on `devices` devices: each (data, stage, model) whose
     product is `devices` with the model axis inside a node, every stage count (those that do not
     divide the layers with `parallel.stage_layers`, `stage_split`), each ZeRO stage, remat policy,
-    sequence parallelism (with a model axis), schedule (with a stage axis; interleaved with 2
-    chunks per stage), every microbatch count that divides the replica batch (at least p with a
+    sequence parallelism (with a model axis), schedule (with a stage axis; interleaved, zb_v
+    and dualpipe_v with 2 chunks per stage), every microbatch count that divides the replica batch (at least p with a
     pipeline), with 16-bit parameters a float32 master copy or none, and context parallelism
     (`_contexts`)."""
     for shape, m, split in _groups(cfg, devices, node_size):

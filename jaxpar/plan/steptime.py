@@ -17,14 +17,15 @@ from jaxpar.parallel.pipeline.placement import placement_of
 from jaxpar.parallel.stages import valid_stage_layout
 from jaxpar.plan import moe as moe_costs
 from jaxpar.plan.collectives import collectives
-from jaxpar.plan.memory import _BYTES, _cached_schedule, model_state, muon_deal, uses_flash_attention
+from jaxpar.plan.memory import _BYTES, _cached_schedule, _paired_ticks, schedule_key, model_state, muon_deal, uses_flash_attention
 
 
 @functools.lru_cache(maxsize=4096)
-def _simulated(name: str, p: int, m: int, v: int, b_over_f: float) -> tuple[float, float]:
-    """(time in units of F, bubble fraction) of a schedule simulated with F = 1, B = b_over_f."""
+def _simulated(key: tuple, b_over_f: float) -> tuple[float, float]:
+    """(time in units of F, bubble fraction) of a schedule (`memory.schedule_key`) simulated with
+    F = 1, B = b_over_f."""
     from jaxpar.parallel.pipeline.simulate import simulate
-    sim = simulate(_cached_schedule(name, p, m, v)[0], 1.0, b_over_f)
+    sim = simulate(_cached_schedule(*key)[0], 1.0, b_over_f)
     return sim.total_time, sim.bubble_fraction
 
 
@@ -230,7 +231,10 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform
       sub-layer's weight-gradient matmul, which does not need it, exposed only past that matmul's
       time; with `Roofline.collective_matmul` (XLA's windowed einsum) the forward ones hide behind
       the matmuls they feed likewise. The last layer's has nothing after it to hide behind.
-    - stage traffic: exposed (the lock-step pipeline sends after each tick's compute).
+    - stage traffic: exposed (the lock-step pipeline sends after each tick's compute), but on
+      DualPipeV's F&B ticks, where each action's hop runs beside the other's computation: hidden
+      behind those ticks' compute. (Its expert all-to-alls are not: F and B run in conditionals
+      of their own, one after the other, docs/pipeline.md.)
     - data traffic: collectives inside the layer scan (ZeRO-0/1's per-layer gradient all-reduce,
       ZeRO-3's gathers and reduce-scatters) run beside the next layer's compute, exposed past it
       and for the last layer; reductions after a microbatch or tick loop and the all-gather of
@@ -256,13 +260,13 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform
         fwd = per_microbatch * (model_flops_per_token(cfg) / 3 + (2 * m.d_model * m.padded_vocab if m.tied
                                                                   else 0)) / hardware_flops_per_token(cfg, p)
         # The simulated time is linear in the costs at a fixed B/F ratio: simulate once per ratio.
-        total, bubble = _simulated(par.schedule, p, par.microbatches, par.virtual_stages,
+        total, bubble = _simulated(schedule_key(cfg, p),
                                    round((per_microbatch - fwd) / fwd, 6))
         compute = total * fwd / peak
     else:
         compute = flops / peak
     exposed = {"data": 0.0, "stage": 0.0, "model": 0.0}
-    hidden = 0.0
+    hidden, hidden_stage = 0.0, 0.0
     for c in collectives(cfg, shape, platform):
         n = math.prod(dict(zip(AXES, shape))[a] for a in c.axes) if c.group is None else c.group
         if c.group is None:
@@ -271,13 +275,18 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform
             bw = hw.intra_node_bw if c.group * p * t <= hw.node_size else hw.inter_node_bw
         seconds = c.wire(n) / bw
         axis = c.axes[0] if len(c.axes) == 1 else "data"
-        if c.overlap:
+        if c.overlap and axis == "stage":  # DualPipeV's F&B ticks' hops
+            hidden_stage += seconds
+        elif c.overlap:
             hidden += seconds
         else:
             exposed[axis] += seconds
     busy = flops / peak  # the compute without the bubble: what a collective can run beside
     layers = max(1.0, m.n_layers / p)
     exposed["data"] += max(hidden / layers, hidden - busy)
+    if hidden_stage:  # behind the compute of the F&B ticks (their share of the tick loop's)
+        key = schedule_key(cfg, p)
+        exposed["stage"] += max(0.0, hidden_stage - compute * _paired_ticks(*key) / _cached_schedule(*key)[0].num_ticks())
     if t > 1:
         # Of the weight matmuls (2N FLOPs per token each way), what a collective can overlap: the
         # forward's (one per forward pass) and the weight gradient's.

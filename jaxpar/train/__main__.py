@@ -87,11 +87,11 @@ def _pipeline_line(cfg, mesh) -> list[str]:
     p = mesh.shape["stage"]
     if p == 1:
         return []
-    from jaxpar.parallel.pipeline.schedules import build
     from jaxpar.parallel.pipeline.simulate import simulate
+    from jaxpar.parallel.pipeline.table import schedule_of
 
     par = cfg.parallel
-    sim = simulate(build(par.schedule, p, par.microbatches, par.virtual_stages))
+    sim = simulate(schedule_of(par, p))
     return [f"pipeline {par.schedule}: {p} stages x {par.microbatches} microbatches, {len(sim.tick_times)} ticks; "
             f"simulated bubble {sim.bubble_fraction:.1%} (idle / all stage-time, B = 2F); "
             f"peak stashed microbatches per stage {list(sim.peak_stash)}"]

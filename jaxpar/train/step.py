@@ -210,10 +210,9 @@ def build(cfg: Config, mesh: Mesh | None = None) -> Program:
 
     if mesh.shape["stage"] > 1:
         from jaxpar.parallel.pipeline import make_pipeline_loss_and_grads, table_of
-        from jaxpar.parallel.pipeline.schedules import build as build_schedule
+        from jaxpar.parallel.pipeline.table import schedule_of
 
-        table = table_of(build_schedule(cfg.parallel.schedule, mesh.shape["stage"], cfg.parallel.microbatches,
-                                        cfg.parallel.virtual_stages))
+        table = table_of(schedule_of(cfg.parallel, mesh.shape["stage"]))
         loss_and_grads = context.wrap_batch(make_pipeline_loss_and_grads(
             cfg, mesh, layout, table, lambda lg, tg: cross_entropy_sum(lg, tg, cfg.model.vocab_size), eos=eos), c, d,
             cfg.model.mtp_depth)

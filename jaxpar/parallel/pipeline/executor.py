@@ -42,11 +42,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.config import Config
 from jaxpar.parallel.gradients import gather_for_step, hand_out, manual_region
-from jaxpar.parallel.pipeline.placement import stage_order
 from jaxpar.parallel.pipeline.plan import make_plan, stage_inputs
 from jaxpar.model.transformer import layer_order
 from jaxpar.parallel.pipeline.setup import DATA, MODEL, STAGE, Setup, make_setup
-from jaxpar.parallel.pipeline.stash import by_kind, from_slots, gather_stage, permute_chunks, reduce_stage, reorder, to_slots
+from jaxpar.parallel.pipeline.stash import by_kind, from_slots, gather_stage, reduce_stage, reorder, to_slots, v_chunks
 from jaxpar.parallel.pipeline.table import Table
 from jaxpar.parallel.pipeline.tick import initial_carry, tick
 from jaxpar.parallel.zero import Layout
@@ -78,17 +77,13 @@ def make_pipeline_loss_and_grads(cfg: Config, mesh: Mesh, layout: Layout, table:
     loss_spec = (P(), P(None, MODEL) if MODEL in manual else P()) if setup.clipping else P()
     run = jax.shard_map(local, mesh=mesh, in_specs=(in_specs, batch_spec), out_specs=(loss_spec, out_specs),
                         axis_names=manual)
-    if v == 1 or setup.slots.gather:  # (the slots are in pipeline order already)
+    if v == 1 or setup.slots.gather or table.placement == "v":  # (V: `v_chunks`, inside `stage_step`)
         return run
-    # Stage s runs its chunks (`placement.stage_order`: s, s + p, ..., s + (v-1)p interleaved; s
-    # and 2p-1-s under the V): the canonical [layers, ...] reordered so that each stage's
-    # contiguous slice holds them (a resharding of the block parameters over `stage` every step,
-    # and of their gradients back; see README). Storage, and so checkpoints, stay in model order.
-    order = stage_order(p, v, table.placement)
-    if table.placement == "interleaved":  # (as a transpose: `order` is [v, p] transposed)
-        to_stages, from_stages = (lambda w: reorder(w, v, p)), (lambda g: reorder(g, p, v))
-    else:
-        to_stages, from_stages = (lambda w: permute_chunks(w, order)), (lambda g: permute_chunks(g, np.argsort(order)))
+    # Stage s runs its interleaved chunks s, s + p, ..., s + (v-1)p: the canonical [layers, ...]
+    # reordered so that each stage's contiguous slice holds them (as a transpose, [v, p] -> [p, v]:
+    # GSPMD's all-to-all over `stage` of the block parameters every step, and of their gradients
+    # back). Storage, and so checkpoints, stay in model order.
+    to_stages, from_stages = (lambda w: reorder(w, v, p)), (lambda g: reorder(g, p, v))
 
     def staged(params, batch):
         loss, grads = run({**params, "blocks": jax.tree.map(to_stages, params["blocks"])}, batch)
@@ -103,6 +98,9 @@ def stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
     layout, p, gather = setup.layout, setup.p, setup.gather
     stage = jax.lax.axis_index(STAGE)
     slots = setup.slots
+    v_placed = setup.table.placement == "v" and not slots.gather
+    if v_placed:  # stored in model order: this stage's V chunks, s and 2p-1-s (`stash.v_chunks`)
+        params = {**params, "blocks": jax.tree.map(lambda w: v_chunks(w, p, stage), params["blocks"])}
     if slots.gather:  # this stage's chunks' layer slots, from the stacks stored over `stage` otherwise
         params = {**params, "blocks": by_kind(slots, params["blocks"], layout.stage_dims["blocks"],
                                               lambda w, kind, sd: to_slots(w, sd, slots.slots[kind], p, stage))}
@@ -127,6 +125,8 @@ def stage_step(setup: Setup, mesh: Mesh, rules, tp, params, batch):
                                                   setup.reduce_data(g.reshape(-1, *g.shape[2:]), dim)).astype(w.dtype),
                             g_blocks, params["blocks"], layout.zero_dims["blocks"], layout.experts["blocks"],
                             is_leaf=lambda x: x is None or isinstance(x, int))
+    if v_placed:  # back to model order, after their reduction over `data` (ZeRO-2/3: shards)
+        g_blocks = jax.tree.map(lambda g: v_chunks(g, p, stage, back=True), g_blocks)
     if slots.gather:  # back from the slots to the stacks' storage (a padding slot's gradient dropped)
         g_blocks = by_kind(slots, g_blocks, layout.stage_dims["blocks"],
                            lambda g, kind, sd: from_slots(g, sd, slots.layer_slot[kind], p, stage))

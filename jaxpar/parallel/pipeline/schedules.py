@@ -584,14 +584,16 @@ def _list_schedule_cells(name: str, p: int, m: int, programs) -> Schedule:
     return Schedule(name, p, m, 2, tuple(ticks), placement="v")
 
 
-def zb_v(p: int, m: int) -> Schedule:
+def zb_v(p: int, m: int, w_slots: int | None = None) -> Schedule:
     """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6), in torchtitan's order
     (`vshape`): V placement, every backward split into I and W, one action per stage and tick. With
     m >= 2p-1 it takes 6m + p - 1 ticks of half a stage's F, the least of any one-action V table
     (stage p-1 starts at tick p-1); the stash holds at most 2p chunk inputs, p stages' worth: 1F1B's
-    stage-0 peak, which sizes every stage's buffer."""
+    stage-0 peak, which sizes every stage's buffer. `w_slots` caps the Ws the drain defers
+    (`table.deferred_w_slots`): wstash slots w_slots + 1, a tick more for every two fewer."""
     _check_sizes("zb_v", p, m, 2)
-    return dataclasses.replace(_list_schedule_cells("zb_v", p, m, zb_v_programs(p, m)), declared_stash=(2 * p,) * p)
+    return dataclasses.replace(_list_schedule_cells("zb_v", p, m, zb_v_programs(p, m, w_slots)),
+                               declared_stash=(2 * p,) * p)
 
 
 def dualpipe_v(p: int, m: int) -> Schedule:
@@ -609,8 +611,9 @@ _BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b_lockstep": one_f_one_b_l
              "1f1b_one_action": one_f_one_b_one_action, "zb_h1": zb_h1}
 
 
-def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The schedule `name` (one of SCHEDULES) for p stages, m microbatches, v chunks per stage."""
+def build(name: str, p: int, m: int, v: int = 1, w_slots: int | None = None) -> Schedule:
+    """The schedule `name` (one of SCHEDULES) for p stages, m microbatches, v chunks per stage;
+    `w_slots`: zb_v's cap on deferred Ws (`zb_v`; the others take None)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}: the schedules are {', '.join(SCHEDULES)}; "
                             f"pick one of them.")
@@ -624,7 +627,7 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
         if p < 2:
             raise ScheduleError(f"stages={p} is too few for schedule {name!r}: a V needs at least 2 stages; use "
                                 f"stages >= 2, or '1f1b' on one stage.")
-        return zb_v(p, m) if name == "zb_v" else dualpipe_v(p, m)
+        return zb_v(p, m, w_slots) if name == "zb_v" else dualpipe_v(p, m)
     if v != 1 and name == "zb_h1":
         raise ScheduleError(f"virtual_stages={v} is not built for schedule 'zb_h1' (only its one-chunk-per-stage "
                             f"form is); use virtual_stages=1 with 'zb_h1', or 'interleaved_1f1b' for several chunks "

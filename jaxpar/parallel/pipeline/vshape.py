@@ -34,15 +34,24 @@ def _keep(programs, m: int) -> list[list[Cell]]:
     return out
 
 
-def _zb_v_program(p: int, n: int, r: int) -> list[Cell]:
-    """Rank r's ZB-V order for n >= 2p-1 microbatches, one action per cell."""
+def _zb_v_program(p: int, n: int, r: int, w_slots: int | None = None) -> list[Cell]:
+    """Rank r's ZB-V order for n >= 2p-1 microbatches, one action per cell. With `w_slots`, the
+    drain defers at most that many Ws at a time (each I beyond runs its oldest pending W at once):
+    fewer (input, output cotangent) pairs held for W, a tick of bubble more per two fewer."""
     c0, c1 = r, 2 * p - 1 - r
     count = {key: 0 for key in ((k, c) for k in "FIW" for c in (c0, c1))}
     prog = []
+    pending: deque[int] = deque()  # the chunks whose deferred W has not run, oldest first
 
     def add(kind, c):
         prog.append(((kind, count[(kind, c)], c),))
         count[(kind, c)] += 1
+
+    def deferred_i(c):
+        add("I", c)
+        pending.append(c)
+        while w_slots is not None and len(pending) > w_slots:
+            add("W", pending.popleft())
 
     for _ in range(2 * (p - r) - 1):  # warm-up: the first chunk's forwards down the V
         add("F", c0)
@@ -62,21 +71,19 @@ def _zb_v_program(p: int, n: int, r: int) -> list[Cell]:
         add("I", c1)
         add("W", c1)
     for _ in range(r):  # drain: input gradients first, weight gradients deferred
-        add("I", c0)
-        add("I", c1)
+        deferred_i(c0)
+        deferred_i(c1)
     for _ in range(p - r):
         add("I", c0)
         add("W", c0)
-    while count[("W", c1)] < count[("I", c1)]:
-        add("W", c1)
-    while count[("W", c0)] < count[("I", c0)]:
-        add("W", c0)
+    for c in sorted(pending, key=lambda c: c != c1):  # the second chunk's Ws, then the first's
+        add("W", c)
     return prog
 
 
-def zb_v_programs(p: int, m: int) -> list[list[Cell]]:
+def zb_v_programs(p: int, m: int, w_slots: int | None = None) -> list[list[Cell]]:
     """Every rank's ZB-V program for m microbatches (built for max(m, 2p-1), the rest dropped)."""
-    return _keep([_zb_v_program(p, max(2 * p - 1, m), r) for r in range(p)], m)
+    return _keep([_zb_v_program(p, max(2 * p - 1, m), r, w_slots) for r in range(p)], m)
 
 
 def _dualpipe_v_program(p: int, n: int, r: int) -> list[Cell]:
