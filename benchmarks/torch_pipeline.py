@@ -187,7 +187,8 @@ def malloc_trim() -> None:
 
 
 def jaxpar_config(args, m: int, schedule: str | None):
-    """The jaxpar config of one configuration: pipelined (schedule given) on (1, 4, 1), else
+    """The jaxpar config of one configuration: pipelined (schedule given; the V schedules with their
+    two chunks per stage) on (1, 4, 1), else
     data-parallel ZeRO-0 on (4, 1, 1); global batch 2·m sequences either way."""
     from jaxpar.config import from_dict, validate
 
@@ -197,7 +198,8 @@ def jaxpar_config(args, m: int, schedule: str | None):
                   "n_kv_heads": args.kv_heads, "d_ff": args.d_ff, "vocab_size": args.vocab, "seq_len": args.seq,
                   "norm_eps": EPS, "init_std": INIT_STD, "attention": args.attention},
         "mesh": {"data": 1, "stage": P, "model": 1} if pipe else {"data": P, "stage": 1, "model": 1},
-        "parallel": ({"schedule": schedule, "microbatches": m, "remat": "none"} if pipe
+        "parallel": ({"schedule": schedule, "microbatches": m, "remat": "none",
+                      "virtual_stages": 2 if schedule in ("zb_v", "dualpipe_v") else 1} if pipe
                      else {"zero": 0, "microbatches": 1, "remat": "none"}),
         "train": {"global_batch": MICRO * m, "grad_clip": CLIP, "b1": ADAM["betas"][0], "b2": ADAM["betas"][1],
                   "weight_decay": ADAM["weight_decay"]},
