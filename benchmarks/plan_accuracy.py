@@ -48,6 +48,13 @@ MATRIX = {
     "dp2-pp4-zb": dict(mesh=(2, 4, 1), schedule="zb_h1", microbatches=4),
     "pp4-tp2-zb-dots": dict(mesh=(1, 4, 2), schedule="zb_h1", microbatches=8, remat="dots"),
     "gpt2-3d-1f1b-dots": dict(arch="gpt2", mesh=(2, 2, 2), microbatches=4, remat="dots"),
+    # The V placement (tests/test_plan.py's V cases).
+    "dp2-pp4-zbv-dots": dict(mesh=(2, 4, 1), L=8, schedule="zb_v", virtual_stages=2, microbatches=8, remat="dots"),
+    "3d-dualpipe-v": dict(mesh=(2, 2, 2), schedule="dualpipe_v", virtual_stages=2, microbatches=4),
+    "dp2-pp4-dualpipe-v-full": dict(mesh=(2, 4, 1), L=8, schedule="dualpipe_v", virtual_stages=2, microbatches=8,
+                                    remat="full"),
+    # A known gap (not in the tests): a split table with tensor parallelism and no remat.
+    "pp4-tp2-1f1b-L8": dict(mesh=(1, 4, 2), L=8, microbatches=8),
     # Where the gradients' reduction rule takes its other branches (tests/test_plan.py, REDUCTION).
     "dp8-zero3-step-m2": dict(mesh=(8, 1, 1), zero=3, microbatches=2, zero3_gather="step"),
     "dp4-pp2-zero3-1f1b": dict(mesh=(4, 2, 1), zero=3, microbatches=4),
