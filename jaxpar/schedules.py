@@ -75,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(text)
+    if deferred_w_slots(args.schedule, args.remat) is not None:
+        print(f"(under remat {args.remat} {args.schedule} defers at most {deferred_w_slots(args.schedule, args.remat)} "
+              f"W at a time: the closed form above is the uncapped table's)")
     if args.png:
         print(f"drawn to {args.png}")
     return 0

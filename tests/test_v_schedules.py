@@ -227,6 +227,14 @@ def test_build_refuses_v_schedules_without_two_chunks_or_stages(name):
         build(name, 1, 8, 2)
 
 
+def test_cli_prints_the_table_a_remat_policy_runs(capsys):
+    assert main(["--schedule", "zb_v", "-p", "4", "-m", "8"]) == 0
+    assert "51 ticks" in capsys.readouterr().out
+    assert main(["--schedule", "zb_v", "-p", "4", "-m", "8", "--remat", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "54 ticks" in out and "bubble 11.1%" in out and "defers at most 0 W" in out
+
+
 def test_cli_prints_zb_v_and_dualpipe_v(capsys):
     assert main(["--schedule", "zb_v", "-p", "4", "-m", "8"]) == 0
     out = capsys.readouterr().out
