@@ -484,27 +484,43 @@ def test_overlap_hides_backward_collectives_and_collective_matmul_the_forward_on
     assert plain["model_comm"] == pytest.approx(wire / 2, rel=0.05)
 
 
-def test_dualpipe_v_hides_the_hops_of_its_paired_ticks():
-    """DualPipeV's F&B ticks send F's and B's messages apart, neither waiting for the other's
-    computation: the planner hides those ticks' hops behind their compute, and only theirs (ZB-V,
-    one message a tick, exposes every hop, as it does the chunks' exchange before and after the
-    tick loop)."""
+def test_dualpipe_v_hides_what_runs_beside_the_other_action_on_its_paired_ticks():
+    """DualPipeV's F&B ticks (`pipeline.table.pairs`): with one kind of block F and B run as one
+    loop, and the planner hides their share of the expert all-to-alls behind those ticks' compute
+    (`_paired_share`), while both hops wait for the loop (exposed, as ZB-V's are); a mixed model
+    runs the two apart, and the planner hides the hops of those ticks, and only theirs, and none
+    of the all-to-alls."""
     from jaxpar.costs import collectives, step_time
-    from jaxpar.plan.memory import _paired_ticks
+    from jaxpar.plan.memory import _paired_share, _paired_ticks, _schedule
 
     hw = HARDWARE["h100-80gb"]
-    cfg = from_dict(MODELS["llama-7b"][1]).replace(
-        mesh={"data": 1, "stage": 4, "model": 1}, train={"global_batch": 16},
-        parallel={"schedule": "dualpipe_v", "virtual_stages": 2, "microbatches": 16, "remat": "full"})
-    shape, roof = (1, 4, 1), Roofline(hw, devices=4)
-    out = {}
-    for name in ("dualpipe_v", "zb_v"):
-        c = cfg.replace(parallel={"schedule": name})
-        stage = [x for x in collectives(c, shape) if x.axes == ("stage",)]
-        wire = lambda xs: sum(x.wire(4) / hw.intra_node_bw for x in xs)  # noqa: E731
-        out[name] = (step_time(c, shape, roof)["stage_comm"], wire(stage), wire([x for x in stage if x.overlap]))
+    shape, roof = (2, 4, 1), Roofline(hw, devices=8)
+    wire = lambda xs, n: sum(x.wire(n) / hw.intra_node_bw for x in xs)  # noqa: E731
     assert _paired_ticks("dualpipe_v", 4, 16, 2) > 0 == _paired_ticks("zb_v", 4, 16, 2)
-    exposed, wire, paired = out["zb_v"]
-    assert paired == 0 and exposed == pytest.approx(wire)  # every hop exposed
-    exposed, wire, paired = out["dualpipe_v"]
-    assert paired > 0 and exposed == pytest.approx(wire - paired), out  # the paired ticks' hops hidden
+    for name, mixed in (("mixtral-8x7b", False), ("deepseek-v3", True)):
+        base = from_dict(MODELS[name][1]).replace(
+            mesh={"data": 2, "stage": 4, "model": 1}, model={"n_layers": 16} if not mixed else {},
+            train={"global_batch": 32}, parallel={"virtual_stages": 2, "microbatches": 16, "remat": "full"})
+        for schedule in ("zb_v", "dualpipe_v"):
+            cfg = base.replace(parallel={"schedule": schedule})
+            cs, t = collectives(cfg, shape), step_time(cfg, shape, roof)
+            stage = [c for c in cs if c.axes == ("stage",)]
+            a2a = [c for c in cs if c.axes == ("data",) and c.kind == "all-to-all"]
+            assert a2a, name
+            if schedule == "zb_v":  # one message a tick, no F&B tick: nothing paired
+                assert not any(c.paired for c in cs) and t["stage_comm"] == pytest.approx(wire(stage, 4))
+                continue
+            sched, _ = _schedule(cfg, 4)
+            budget = t["compute"] * _paired_ticks("dualpipe_v", 4, 16, 2) / sched.num_ticks()
+            if mixed:  # apart: the F&B ticks' hops hidden, the all-to-alls not
+                assert not any(c.paired for c in a2a)
+                hops = wire([c for c in stage if c.paired == 1.0], 4)
+                assert 0 < hops < budget
+                assert t["stage_comm"] == pytest.approx(wire(stage, 4) - hops), (name, t)
+            else:  # one loop: the all-to-alls' share hidden, every hop exposed
+                share = _paired_share("dualpipe_v", 4, 16, 2)
+                assert 0 < share < 1 and all(c.paired == share for c in a2a)
+                assert not any(c.paired for c in stage) and t["stage_comm"] == pytest.approx(wire(stage, 4))
+                data = [c for c in cs if c.axes == ("data",)]
+                hidden = min(budget, wire(a2a, 2) * share)
+                assert hidden > 0 and t["data_comm"] == pytest.approx(wire(data, 2) - hidden), (name, t)

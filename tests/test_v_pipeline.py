@@ -179,30 +179,64 @@ def test_v_tick_sends_each_message_both_ways_in_the_fewest_collectives(schedule,
     assert not [n for n, (op, _) in ops.items() if op.startswith(("all-to-all", "all-gather", "all-reduce"))]
 
 
+def _side(op_name: str):
+    """Which action of an F&B tick an instruction of the paired loop belongs to, by its op name: B's
+    pullback ("transpose(...)"), F's layer under `jax.vjp` ("jvp(...)"), or neither (the loop's
+    own indexing)."""
+    return "B" if "transpose(" in op_name else "F" if "jvp(" in op_name else None
+
+
+def _paired_loops(comps: dict) -> list:
+    """The loops (while bodies) of the compiled program whose body runs both F's and B's work (`actions.pair`):
+    per loop, instruction name -> (opcode, operands, side), for the instructions that depend on the
+    loop's carry (a constant's broadcast is shared by both and waits for nothing)."""
+    loops = []
+    bodies = {b for lines in comps.values() for ln in lines if " while(" in ln for b in re.findall(r"body=%([\w.\-]+)", ln)}
+    for lines in (comps[b] for b in bodies):
+        ops = {}
+        for ln in lines:
+            m = re.match(r"^\s*(?:ROOT )?%(\S+) = (.*)$", ln)
+            if m:
+                rest, _, meta = m.group(2).partition(", metadata=")
+                name = re.search(r'op_name="([^"]*)"', meta)
+                ops[m.group(1)] = (re.search(r"\b([a-z][a-z0-9\-]*)\(", rest).group(1),
+                                   re.findall(r"%([\w.\-]+)", rest), _side(name.group(1) if name else ""))
+        if not any(op == "parameter" for op, _, _ in ops.values()):
+            continue
+        data = {n for n in ops if ops[n][0] == "parameter" or any(ops[a][0] == "parameter" for a in _upstream(ops, n))}
+        ops = {n: op for n, op in ops.items() if n in data}
+        sides = {side for op, _, side in ops.values() if op in ("fusion", "dot", "custom-call")}
+        if {"F", "B"} <= sides:
+            loops.append(ops)
+    return loops
+
+
 @pytest.mark.parametrize("experts", [False, True])
-def test_dualpipe_v_f_and_b_do_not_wait_for_each_other(experts):
-    """DualPipeV's F&B ticks: in the compiled tick, the collective-permute of F's output and the
-    one of B's input gradient (p = 2: one each) each descend from one action's conditional, and
-    from different ones: neither hop waits for the other action's computation, and neither
-    action's conditional for the other's (else it would be upstream of both hops), so neither's
-    own collectives do either: with experts over `data` (`experts`), the expert all-to-alls inside
-    each. (Before, F's input waited for B's gradient, `after`, and F added to B's accumulator of
-    the shared leaves: F's hop then descended from B's conditional.) What the test cannot show:
-    XLA runs conditionals one after another, so an all-to-all inside F's overlaps B's hop, not B's
-    computation (docs/pipeline.md)."""
+def test_dualpipe_v_runs_f_and_b_as_one_loop_neither_waiting_for_the_other(experts):
+    """DualPipeV's F&B ticks (`actions.pair`): one loop over the layers whose step runs F's layer i
+    beside B's layer n-1-i, and in the compiled program no instruction of F's in that loop waits
+    for one of B's, nor the other way round, so that XLA's scheduler may run each one's
+    collectives behind the other's computation; with experts over `data` (`experts`) the loop
+    holds F's expert all-to-alls and B's. (Before, F and B ran as two loops, one after the other:
+    no loop held both.)"""
     cfg = None
     if experts:
         from test_moe import moe_run
 
-        cfg = moe_run(2, 2, 1, schedule="dualpipe_v").replace(parallel={"virtual_stages": 2, "microbatches": 4})
-    ops, comps = tick_body("dualpipe_v", 2, 4, cfg)
-    conds = {n for n, (op, _) in ops.items() if op == "conditional"}
-    assert len(hops(ops)) == 2, hops(ops)
-    waits = [_upstream(ops, n) & conds for n in hops(ops)]
-    assert all(waits) and not waits[0] & waits[1], waits
-    if experts:  # each action's all-to-alls are inside its own conditional
-        for w in waits:
-            assert any("all-to-all" in _opcodes_within(comps, ops[c][1]) for c in w), w
+        # (Two layers a chunk: a loop of one step is no loop once compiled.)
+        cfg = moe_run(2, 2, 1, schedule="dualpipe_v", n_layers=8).replace(
+            parallel={"virtual_stages": 2, "microbatches": 4})
+    _, comps = tick_body("dualpipe_v", 2, 4, cfg)
+    loops = _paired_loops(comps)
+    assert len(loops) == 1, len(loops)
+    ops = loops[0]
+    for n, (_, _, side) in ops.items():
+        if side:
+            waits = {ops[a][2] for a in _upstream(ops, n) if a in ops} - {None, side}
+            assert not waits, (n, side, waits)
+    if experts:
+        a2a = {side for op, _, side in ops.values() if op == "all-to-all"}
+        assert a2a == {"F", "B"}, a2a
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +298,7 @@ def test_v_schedules_composed_match_single_device(schedule, mesh, m, zero, remat
     # other chunks MoE layers, so the stacks are stored over `stage` on another dim and each step
     # hands every stage its V's layer slots (`stages.stage_layout` with the V placement).
     ("zb_v", (2, 2, 2), 1, {"moe_layers": "first_dense:2", "n_layers": 8}),
-    ("dualpipe_v", (2, 2, 1), 0, {"n_layers": 4}),
+    ("dualpipe_v", (2, 2, 1), 0, {"n_layers": 8}),  # (F and B of its F&B ticks in one loop of two layers)
     ("dualpipe_v", (2, 2, 2), 3, {"moe_layers": "every:2", "n_layers": 8, "expert_tensor_parallel": False}),
 ])
 def test_v_schedules_with_experts_match_single_device(schedule, mesh, zero, options):
@@ -298,19 +332,36 @@ def _temp(schedule, m, remat="none"):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+def _layer_working_set():
+    """Temp memory of one layer of `_temp`'s model compiled alone, forward and backward, on one
+    microbatch (2 sequences of 128 tokens): what DualPipeV's F&B loop holds at once beside what a
+    tick of one action holds (F's layer beside B's, `actions.pair`)."""
+    from jaxpar import model
+    from jaxpar.config import from_dict
+
+    cfg = from_dict({"model": {"n_layers": 1, "d_model": 64, "n_heads": 4, "d_ff": 128, "vocab_size": 64,
+                               "seq_len": 128}})
+    params, x = model.init_params(cfg.model, jax.random.key(0)), jax.numpy.zeros((2, 128, 64), cfg.model.dtype)
+
+    def layer(params, x, g):
+        return jax.vjp(lambda p, x: model.bind(cfg.model, p).backbone(x), params, x)[1](g)
+    return jax.jit(layer).lower(params, x, x).compile().memory_analysis().temp_size_in_bytes
+
+
 @pytest.mark.slow
 def test_v_schedules_memory_is_flat_in_m_and_within_their_bounds():
     """Temp memory of the compiled step (p = 4, microbatches of 2 sequences) does not grow from
     m = 8 to 16; zb_v holds at most 1F1B's (its stash: 2p chunk inputs, p stages' worth, measured
     12.37 MB against 12.68), dualpipe_v at most (2p+1)/(2p) of it (DualPipe's PP+1 chunks against
-    1F1B's 2p; measured 13.51 MB, where F writing the stash itself beside B's reads, `tick.tick`,
-    made XLA copy the whole stash: 23.75 MB)."""
+    1F1B's 2p) plus one layer's forward and backward working set (its F&B loop holds F's layer
+    beside B's: 2.0 MB here; measured 14.83 MB, 13.50 with F and B apart; where F writing the
+    stash itself beside B's reads, `tick.tick`, made XLA copy the whole stash: 23.75 MB)."""
     one = _temp("1f1b", 8)
-    for schedule, bound in (("zb_v", 1.0), ("dualpipe_v", 9 / 8)):
+    for schedule, bound in (("zb_v", 1.0 * one), ("dualpipe_v", 9 / 8 * one + _layer_working_set())):
         at_8, at_16 = _temp(schedule, 8), _temp(schedule, 16)
         # 5%: the 1F1B tests' bound; XLA may lay buffers out differently as the table grows.
         assert abs(at_16 - at_8) <= 0.05 * at_8, (schedule, at_8, at_16)
-        assert at_16 <= bound * one, (schedule, at_16, one)
+        assert at_16 <= bound, (schedule, at_16, one)
 
 
 @pytest.mark.slow

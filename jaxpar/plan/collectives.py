@@ -12,7 +12,7 @@ from jaxpar.mesh import AXES
 from jaxpar.parallel.gradients import reduction
 from jaxpar.plan import moe as moe_costs
 from jaxpar.parallel.pipeline.table import hops_per_tick, v_reorder_share
-from jaxpar.plan.memory import (_BYTES, _fused_b, _paired_ticks, _schedule, _stage_slots, context_block, model_state,
+from jaxpar.plan.memory import (_BYTES, _fused_b, _pair_loop, _paired_share, _paired_ticks, _schedule, _stage_slots, context_block, model_state,
                                 muon_deal, schedule_key)
 
 
@@ -31,6 +31,10 @@ class Collective:
     group: int | None = None
     """The devices of its groups where fewer than its axes hold (context parallelism's: c
     consecutive data ranks), for its wire bytes and its link (`steptime.step_time`)."""
+    paired: float = 0.0
+    """The share of its runs on DualPipeV's F&B ticks beside the other action's computation, which
+    `steptime.step_time` hides behind those ticks' compute: the hops of a mixed model's F and B,
+    run apart, or the expert all-to-alls of F's and B's one loop (`pipeline.table.pairs`)."""
 
     def wire(self, n: int) -> float:
         """Bytes one device sends per step over a group of n devices (ring algorithms):
@@ -79,17 +83,20 @@ def collectives(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu")
         msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * act_size
         # The tick's hops (idle stages send zeros): F's output and B's gradient, each both ways under
         # the V unless no stage sends two in a tick (`pipeline.hops_per_tick`).
-        # On DualPipeV's F&B ticks each action's hop can run beside the other's computation
-        # (`overlap`: `steptime.step_time` hides them behind those ticks' compute).
+        # On DualPipeV's F&B ticks run apart (a mixed model's, `pipeline.table.pairs`) each
+        # action's hop can run beside the other's computation (`paired`); in one loop, both wait for it.
         hops, paired = hops_per_tick(table.placement, p, table.one_message), _paired_ticks(*schedule_key(cfg, p))
-        out.append(Collective("collective-permute", ("stage",), msg, hops * (ticks - paired)))
-        if paired:
-            out.append(Collective("collective-permute", ("stage",), msg, hops * paired, overlap=True))
+        apart = 0 if _pair_loop(cfg, p) else paired
+        out.append(Collective("collective-permute", ("stage",), msg, hops * (ticks - apart)))
+        if apart:
+            out.append(Collective("collective-permute", ("stage",), msg, hops * apart, paired=1.0))
         f32 = 4 / itemsize
         v = par.virtual_stages
         # What is reduced or gathered at use sits in the tick's action branches (B or W; F and B
-        # or I for ZeRO-3's gathers), which the HLO states once per tick and chunk each.
-        branches = _fused_b(*schedule_key(cfg, p)) + table.split
+        # or I for ZeRO-3's gathers), which the HLO states once per tick and chunk each (F and a
+        # fused B twice where F&B ticks run them as one loop, `_pair_loop`).
+        stated = 1 + _pair_loop(cfg, p)
+        branches = _fused_b(*schedule_key(cfg, p)) * stated + table.split
         shared, shared_sh = st["local"] - st["blocks"], st["sharded"] - st["blocks_sharded"]
         out += _data_reductions(cfg, red, gb, static=ticks * branches / v, groups=(
             (st["blocks"] - ep, st["blocks_sharded"]), (shared, shared_sh)))
@@ -114,7 +121,7 @@ def collectives(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu")
                 # measured), the shared leaves where the end stages' F and B use them.
                 uses = 2
                 out.append(Collective("all-gather", ("data",), blocks, uses * micro, overlap=True,
-                                      static=ticks * uses / v))
+                                      static=ticks * uses * stated / v))
                 if shared_sh:
                     out.append(Collective("all-gather", ("data",), shared_g, micro, overlap=True, static=ticks))
         if table.placement == "v" and _stage_slots(cfg, p) is None:
@@ -140,13 +147,15 @@ def collectives(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu")
     out += context_collectives(cfg, shape)
     out += muon_collectives(cfg, shape)
     volume, count = moe_costs.all_to_all(cfg, shape, rows, act_size, platform)
-    if count:  # tokens to their experts and back: the expert compute waits on them (exposed)
-        out.append(Collective("all-to-all", ("data",), volume, count))
+    if count:  # tokens to their experts and back: the expert compute waits on them (exposed), but
+        # on DualPipeV's F&B ticks, in one loop beside the other action's computation (`paired`)
+        share = _paired_share(*schedule_key(cfg, p)) if _pair_loop(cfg, p) else 0.0
+        out.append(Collective("all-to-all", ("data",), volume, count, paired=share))
         ids, counts = moe_costs.expert_ids(cfg, shape, rows, platform), moe_costs.expert_counts(cfg, shape, platform)
         if ids[1]:  # the fixed exchange: each buffer row's local expert
-            out.append(Collective("all-to-all", ("data",), *ids))
+            out.append(Collective("all-to-all", ("data",), *ids, paired=share))
         if counts[1]:  # the ragged exchange: every rank's per-expert counts
-            out.append(Collective("all-gather", ("data",), *counts))
+            out.append(Collective("all-gather", ("data",), *counts, paired=share))
     volume, count, _ = moe_costs.assembled_experts(cfg, shape, act_size)
     if count:  # replicated experts: each rank's expert assembled from the slices of every rank
         out.append(Collective("all-to-all", ("data",), volume, count))
@@ -222,11 +231,12 @@ def context_collectives(cfg: Config, shape: tuple[int, int, int]) -> list[Collec
         sched, table = _schedule(cfg, p)
         # Per tick, the layers of one chunk: F's forward and each backward branch's (B, or I).
         per_tick = sched.num_ticks() / par.virtual_stages
-        branches = _fused_b(*schedule_key(cfg, p)) + table.split
+        stated = 1 + _pair_loop(cfg, p)  # (F and a fused B stated again in the F&B loop)
+        branches = _fused_b(*schedule_key(cfg, p)) * stated + table.split
 
         def static(fwd: int, bwd: int) -> float:
             """How often the HLO states one run `fwd` times per layer in F, `bwd` in a backward."""
-            return per_tick * (fwd + branches * bwd)
+            return per_tick * (fwd * stated + branches * bwd)
     else:
         def static(fwd, bwd):
             return None
@@ -359,7 +369,8 @@ def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int], platform: 
     (`Collective.static`) and tensor parallelism's. Per tick the program
     holds F (the embedding's collective and the chunk's forward), B of the last chunk (forward,
     head, backward) and B of the others (forward without the last sub-layer's collective, whose
-    result the vjp drops, and backward); remat adds the recomputed forward to both B branches."""
+    result the vjp drops, and backward); remat adds the recomputed forward to both B branches.
+    Where F&B ticks run F and B as one loop (`_pair_loop`) the tick states them both again."""
     out = {a: 0.0 for a in AXES}
     for c in collectives(cfg, shape, platform):
         for a in c.axes:
@@ -390,5 +401,5 @@ def compiled_bytes_per_axis(cfg: Config, shape: tuple[int, int, int], platform: 
         static = ticks * A * ((1 + 2 * Lc + 1) + (2 * Lc + again))
     executed = sum(c.bytes * c.count for c in _tensor_collectives(cfg, rows, t, par.sequence_parallel, _BYTES[m.dtype], p, d)
                    if c.bytes >= A / t)
-    out["model"] += static - executed
+    out["model"] += static * (1 + _pair_loop(cfg, p)) - executed
     return out

@@ -194,7 +194,7 @@ def _strip_data(spec: P, also: str | None = None) -> P:
 
 def schedule_key(cfg: Config, p: int) -> tuple:
     """What the table a config runs on p stages depends on (`pipeline.table.schedule_of`): the
-    arguments of `_cached_schedule`, `_fused_b`, `_paired_ticks` and `steptime._simulated`."""
+    arguments of `_cached_schedule`, `_fused_b`, `_paired_ticks`, `_paired_share` and `steptime._simulated`."""
     from jaxpar.parallel.pipeline.table import deferred_w_slots
     par = cfg.parallel
     return par.schedule, p, par.microbatches, par.virtual_stages, deferred_w_slots(par.schedule, par.remat)
@@ -224,11 +224,32 @@ def _fused_b(name: str, p: int, m: int, v: int, w_slots: int | None = None) -> b
     return any(a.kind == "B" for _, _, a in _cached_schedule(name, p, m, v, w_slots)[0].actions())
 
 
+def _pair_loop(cfg: Config, p: int) -> bool:
+    """Do the config's F&B ticks run F and B as one loop (`pipeline.table.pairs`)? The tick body
+    then states each action's layers twice: in its own conditional and in the loop."""
+    from jaxpar.parallel.pipeline.table import pairs
+    return p > 1 and pairs(_paired_ticks(*schedule_key(cfg, p)) > 0, cfg.model.mixed)
+
+
+@functools.lru_cache(maxsize=512)
+def _paired_share(name: str, p: int, m: int, v: int, w_slots: int | None = None) -> float:
+    """Of a stage's F, B and I (the actions that run the layers' collectives), the share that runs
+    on its F&B ticks (DualPipeV's), averaged over the stages: what `table.pairs`' one loop can
+    hide of each one's collectives behind the other's computation."""
+    sched = _cached_schedule(name, p, m, v, w_slots)[0]
+    shares = []
+    for s in range(p):
+        cells = [row[s] for row in sched.ticks]
+        paired = sum({a.kind for a in cell} >= {"F", "B"} for cell in cells)
+        acts = sum(a.kind in ("F", "B", "I") for cell in cells for a in cell)
+        shares.append(2 * paired / acts if acts else 0.0)
+    return sum(shares) / p
+
+
 @functools.lru_cache(maxsize=512)
 def _paired_ticks(name: str, p: int, m: int, v: int, w_slots: int | None = None) -> int:
     """Ticks of the schedule where a stage runs one microbatch's F beside another's fused B
-    (DualPipeV's F&B: `tick.tick` keeps the two independent, so each one's hop can run beside the
-    other's computation)."""
+    (DualPipeV's F&B: `tick.f_and_b` keeps the two independent)."""
     return sum(any({a.kind for a in cell} >= {"F", "B"} for cell in row)
                for row in _cached_schedule(name, p, m, v, w_slots)[0].ticks)
 

@@ -231,10 +231,11 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform
       sub-layer's weight-gradient matmul, which does not need it, exposed only past that matmul's
       time; with `Roofline.collective_matmul` (XLA's windowed einsum) the forward ones hide behind
       the matmuls they feed likewise. The last layer's has nothing after it to hide behind.
-    - stage traffic: exposed (the lock-step pipeline sends after each tick's compute), but on
-      DualPipeV's F&B ticks, where each action's hop runs beside the other's computation: hidden
-      behind those ticks' compute. (Its expert all-to-alls are not: F and B run in conditionals
-      of their own, one after the other, docs/pipeline.md.)
+    - stage traffic: exposed (the lock-step pipeline sends after each tick's compute).
+    - DualPipeV's F&B ticks (`Collective.paired`): what runs there beside the other action's
+      computation is hidden behind those ticks' share of the compute: the expert all-to-alls of
+      F's and B's one loop (`pipeline.table.pairs`), or, where a mixed model runs the two apart,
+      each one's hop.
     - data traffic: collectives inside the layer scan (ZeRO-0/1's per-layer gradient all-reduce,
       ZeRO-3's gathers and reduce-scatters) run beside the next layer's compute, exposed past it
       and for the last layer; reductions after a microbatch or tick loop and the all-gather of
@@ -266,7 +267,7 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform
     else:
         compute = flops / peak
     exposed = {"data": 0.0, "stage": 0.0, "model": 0.0}
-    hidden, hidden_stage = 0.0, 0.0
+    hidden, hidden_paired = 0.0, {}
     for c in collectives(cfg, shape, platform):
         n = math.prod(dict(zip(AXES, shape))[a] for a in c.axes) if c.group is None else c.group
         if c.group is None:
@@ -275,18 +276,23 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform
             bw = hw.intra_node_bw if c.group * p * t <= hw.node_size else hw.inter_node_bw
         seconds = c.wire(n) / bw
         axis = c.axes[0] if len(c.axes) == 1 else "data"
-        if c.overlap and axis == "stage":  # DualPipeV's F&B ticks' hops
-            hidden_stage += seconds
-        elif c.overlap:
+        if c.paired:  # DualPipeV's F&B ticks' share
+            hidden_paired[axis] = hidden_paired.get(axis, 0.0) + seconds * c.paired
+            seconds *= 1 - c.paired
+        if c.overlap:
             hidden += seconds
         else:
             exposed[axis] += seconds
     busy = flops / peak  # the compute without the bubble: what a collective can run beside
     layers = max(1.0, m.n_layers / p)
     exposed["data"] += max(hidden / layers, hidden - busy)
-    if hidden_stage:  # behind the compute of the F&B ticks (their share of the tick loop's)
+    if hidden_paired:  # behind the compute of the F&B ticks (their share of the tick loop's); what
+        # does not fit is exposed, on each axis in proportion
         key = schedule_key(cfg, p)
-        exposed["stage"] += max(0.0, hidden_stage - compute * _paired_ticks(*key) / _cached_schedule(*key)[0].num_ticks())
+        total = sum(hidden_paired.values())
+        left = max(0.0, total - compute * _paired_ticks(*key) / _cached_schedule(*key)[0].num_ticks())
+        for axis, seconds in hidden_paired.items():
+            exposed[axis] += left * seconds / total
     if t > 1:
         # Of the weight matmuls (2N FLOPs per token each way), what a collective can overlap: the
         # forward's (one per forward pass) and the weight gradient's.

@@ -1,6 +1,7 @@
 """The tick's actions, as functions of one stage's plan (`plan.StagePlan`) and traced inputs
-(`plan.Stage`): F (`forward`), B or I (`backward`) and W (`weight_grads`), and what they hand the
-model (a chunk's parameters, the seeds ZeRO-2 differentiates, the shards ZeRO-3 gathers at use).
+(`plan.Stage`): F (`forward`), B or I (`backward`) and W (`weight_grads`), DualPipeV's F beside a
+B as one loop (`pair`, from F's and B's own parts), and what they hand the model (a chunk's
+parameters, the seeds ZeRO-2 differentiates, the shards ZeRO-3 gathers at use).
 
 F saves what B needs: the residuals of each layer's `jax.vjp` (what the remat policy keeps), less
 the parameters among them (B takes those from the parameters themselves, so the stash holds
@@ -24,6 +25,7 @@ from jaxpar.model import fp8, mtp, qk_clip
 from jaxpar.model.transformer import REMAT_POLICIES, block_bodies, scan_layers, stack, token_ids
 from jaxpar.parallel import context, microbatches
 from jaxpar.parallel.gradients import _seed, mark_for_use
+from jaxpar.parallel.pipeline import table
 from jaxpar.parallel.pipeline.setup import DATA, STAGE
 from jaxpar.parallel.pipeline.stash import get_row, param_leaves, set_row
 from jaxpar.sharding import vary, varying_axes, zeros_like_varying
@@ -182,27 +184,49 @@ def forward(plan, st, x_in, mb, k, stash, slot, g_shared, rec=None):
     "mtp" -> [depths, N] on the last chunk, -inf elsewhere), else {}."""
     s = plan.setup
     tokens, targets, depths = microbatch(s, st, mb)
-    # The microbatch's layout (packed documents, a context-parallel shard), read by its embedding
-    # and attention; B and W use what F saved (the attention keeps what it needs as residuals).
+    with sequence_layout(_layout_of(s, tokens)):
+        x, embed_saved, sh = _embed(plan, st, x_in, tokens, k, rec)
+        # (Under a split table each weight matmul takes its tap from the layer's `linear`: the
+        # bodies are built, and traced, inside the split context.)
+        with _split(plan):
+            (y, layers), tops = scan_layers(s.chunk_cfg, kind_stacks(plan, st, k),
+                                            (x, None if stash is None else stash["layers"]),
+                                            _f_layer(plan, st, k, slot, rec), kind_taps(plan) if s.table.split else None)
+        return _head(plan, st, k, y, targets, depths, sh, embed_saved, layers, tops, stash, slot, g_shared, rec)
+
+
+def _layout_of(s, tokens):
+    """The microbatch's layout (packed documents, a context-parallel shard), read by its embedding
+    and attention; B and W use what F saved (the attention keeps what it needs as residuals)."""
     if s.cfg.parallel.context > 1:
-        layout = context.layout(s.cfg, tokens, s.d, s.eos)
-    else:
-        layout = None if s.eos is None else packed(document_segments(token_ids(tokens), s.eos))
-    with sequence_layout(layout):
-        return _forward(plan, st, x_in, tokens, targets, depths, k, stash, slot, g_shared, rec)
+        return context.layout(s.cfg, tokens, s.d, s.eos)
+    return None if s.eos is None else packed(document_segments(token_ids(tokens), s.eos))
 
 
-def _forward(plan, st, x_in, tokens, targets, depths, k, stash, slot, g_shared, rec):
+def _split(plan):
+    return split_backward({}, plan.stash_inputs) if plan.setup.table.split else contextlib.nullcontext()
+
+
+def _embed(plan, st, x_in, tokens, k, rec):
+    """F's start: the chunk's input, the embedding's output on the first chunk (a cond, not a
+    select: under tensor parallelism the lookup ends in a collective, under ZeRO-3 the
+    embedding's gather, that the other stages must not pay for; the shared parameters are bound
+    inside the branch for that reason), and its residuals to stash."""
     s = plan.setup
-    first, last = ends(plan, st, k)
+    first, _ = ends(plan, st, k)
     sh = diff_shared(plan, st)
-    # Only the first chunk embeds (a cond, not a select: under tensor parallelism the lookup ends
-    # in a collective, under ZeRO-3 the embedding's gather, that the other stages must not pay
-    # for). The shared parameters are bound inside the branch for that reason.
     x, pull_embed = jax.vjp(lambda sh: jax.lax.cond(
         first, lambda: model.bind(s.chunk_cfg, handed_shared(plan, st, sh)).embed_tokens(tokens), lambda: x_in), sh)
-    embed_saved = take_residuals(plan, rec, "embed", pull_embed, param_leaves(st.shared, sh))
-    split = s.table.split
+    return x, take_residuals(plan, rec, "embed", pull_embed, param_leaves(st.shared, sh)), sh
+
+
+def _f_layer(plan, st, k, slot, rec):
+    """F's layer function for `scan_layers` (chunk k's bodies, built here under train.qk_clip's
+    recording): (kind, (params, differentiated), tap, i, (x, stash layers)) -> ((y, stash
+    layers), the layer's largest logits or None), its residuals written into row (slot, i)."""
+    s = plan.setup
+    with qk_clip.recording(s.clipping):
+        body = bodies(plan, st, k)
 
     def layer(kind, xs, tap, i, carry):
         x, stash_layers = carry
@@ -228,18 +252,17 @@ def _forward(plan, st, x_in, tokens, targets, depths, k, stash, slot, g_shared, 
             b, vary(r, varying_axes(b)).reshape(1, 1, -1).astype(b.dtype), (slot, i, 0))
             for b, r in zip(stash_layers[kind], saved))}), top
 
-    # (Under a split table each weight matmul takes its tap from the layer's `linear`: the bodies
-    # are built, and traced, inside the split context.)
-    with split_backward({}, plan.stash_inputs) if split else contextlib.nullcontext():
-        with qk_clip.recording(s.clipping):
-            body = bodies(plan, st, k)
-        (y, layers), tops = scan_layers(s.chunk_cfg, kind_stacks(plan, st, k),
-                                        (x, None if stash is None else stash["layers"]), layer,
-                                        kind_taps(plan) if split else None)
+    return layer
 
-    # (The head's gradients are added inside its `cond`: the other chunks' F fills no
-    # vocabulary-sized zeros. Multi-token prediction's modules run here too, on the last stage,
-    # and report their blocks' largest logits under train.qk_clip.)
+
+def _head(plan, st, k, y, targets, depths, sh, embed_saved, layers, tops, stash, slot, g_shared, rec):
+    """F's end: on the last chunk the loss and its backward through the head (its gradients added
+    inside the head's `cond`: the other chunks' F fills no vocabulary-sized zeros; multi-token
+    prediction's modules run here too, on the last stage, and report their blocks' largest logits
+    under train.qk_clip), and the embedding's residuals and the head's cotangent into the slot."""
+    s = plan.setup
+    _, last = ends(plan, st, k)
+
     def objective(sh, y):
         with qk_clip.recording(s.clipping and s.cfg.model.mtp_depth > 0) as recorded:
             loss = mtp.objective(model.bind(s.chunk_cfg, handed_shared(plan, st, sh)), y, targets, depths, s.loss_sum,
@@ -281,26 +304,85 @@ def backward(plan, st, stash, slot, cot, k, g_shared):
     path). (I writes its pairs for W into the slot after this loop, `stash.write_now`: written
     inside it, over the rows the loop reads, they made XLA copy every stash buffer per layer,
     measured.)"""
-    s = plan.setup
-    first, last = ends(plan, st, k)
-    *embed_saved, dy = (get_row(b, slot).reshape(a.shape) for b, a in zip(stash["ends"], plan.end_avals))
+    g, embed_saved = _b_start(plan, st, stash, slot, cot, k)
+    dx, outs = scan_layers(plan.setup.chunk_cfg, kind_stacks(plan, st, k), g, _b_layer(plan, stash, slot), reverse=True)
+    return _b_end(plan, st, k, dx, outs, embed_saved, g_shared)
 
+
+def _b_start(plan, st, stash, slot, cot, k):
+    """B's start: the chunk output's cotangent (the head's, stashed by F, on the last chunk; else
+    the one received) and the embedding's residuals, from the slot."""
+    _, last = ends(plan, st, k)
+    *embed_saved, dy = (get_row(b, slot).reshape(a.shape) for b, a in zip(stash["ends"], plan.end_avals))
+    return jnp.where(last, dy, cot), embed_saved
+
+
+def _b_layer(plan, stash, slot):
+    """B's layer function for `scan_layers`: (kind, (params, differentiated), _, i, cotangent) ->
+    (the input's cotangent, (parameter gradients, the taps')), its residuals read from row (slot, i)."""
     def layer(kind, xs, _, i, g):
         full_l, diff_l = xs
         saved = [jax.lax.dynamic_slice(b, (slot, i, 0), (1, 1, b.shape[2])).reshape(a.shape)
                  for b, a in zip(stash["layers"][kind], plan.layer_avals[kind])]
         d_rest, dx, d_tap = pullback(plan, kind, saved, param_leaves(full_l, diff_l))(g)
         return dx, (d_rest, d_tap)
+    return layer
 
-    dx, outs = scan_layers(s.chunk_cfg, kind_stacks(plan, st, k), jnp.where(last, dy, cot), layer, reverse=True)
+
+def _b_end(plan, st, k, dx, outs, embed_saved, g_shared):
+    """B's end: its layers' outputs per path, and the embedding's gradient on the first chunk (a
+    cond: the others skip its pullback and fill no vocabulary-sized zeros)."""
+    first, _ = ends(plan, st, k)
     d_rest = {p_: g for kind in plan.kinds for p_, g in outs[kind][0].items()}
     d_taps = {p_: xg for kind in plan.kinds for p_, xg in (outs[kind][1] or {}).items()}
     sh = diff_shared(plan, st)
-    # The embedding's gradient: the first chunk's only (a cond: the others skip its pullback and
-    # fill no vocabulary-sized zeros).
     g_shared = jax.lax.cond(first, lambda g: microbatches.add_f32(
         g, pullback(plan, "embed", embed_saved, param_leaves(st.shared, sh))(dx)[0]), lambda g: g, g_shared)
     return d_rest, g_shared, dx, d_taps
+
+
+# -- F and B in one loop (DualPipeV's F&B ticks) --------------------------------------------------
+
+
+def pairs(plan) -> bool:
+    """Does this stage's F&B tick run as one loop (`pair`)? `table.pairs`'s rule."""
+    return table.pairs(plan.setup.table.overlap, len(plan.kinds) > 1)
+
+
+def pair(plan, st, x_in, mb, k_f, own, g_head, stash, slot, cot, k_b, g_shared):
+    """DualPipeV's F&B tick as one loop over the layers: step i runs F's layer i (microbatch mb,
+    chunk k_f, its residuals into row (0, i) of `own`, a stash of one slot) beside B's layer n-1-i
+    (another microbatch, chunk k_b, from stash slot `slot`). The two have no data dependency on
+    each other inside a step, so XLA's scheduler may run one's collectives (the expert
+    all-to-alls, the tensor-parallel collectives) behind the other's computation: two loops, as
+    `forward` then `backward` run them, cannot overlap (a loop is one while, and XLA runs whiles
+    one after the other). F's embedding, and B's start, before the loop; F's head and B's
+    embedding gradient after it. Returns F's (y, own, g_head, loss, maxima) and B's (d_rest,
+    g_shared, dx, d_taps), as `forward` and `backward` do."""
+    s = plan.setup
+    (kind,) = plan.kinds
+    n = plan.n_layers[kind]
+    tokens, targets, depths = microbatch(s, st, mb)
+    at = lambda t, j: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), t)  # noqa: E731
+    with sequence_layout(_layout_of(s, tokens)):
+        x, embed_f, sh = _embed(plan, st, x_in, tokens, k_f, None)
+        g, embed_b = _b_start(plan, st, stash, slot, cot, k_b)
+        with _split(plan):
+            f_layer, b_layer = _f_layer(plan, st, k_f, 0, None), _b_layer(plan, stash, slot)
+            stacks_f, stacks_b = kind_stacks(plan, st, k_f)[kind], kind_stacks(plan, st, k_b)[kind]
+            taps = kind_taps(plan)[kind] if s.table.split else None
+
+            def step(carry, i):
+                f_carry, g = carry
+                f_carry, top = f_layer(kind, at(stacks_f, i), None if taps is None else at(taps, i), i, f_carry)
+                g, out = b_layer(kind, at(stacks_b, n - 1 - i), None, n - 1 - i, g)
+                return (f_carry, g), (top, out)
+
+            ((y, layers), dx), (tops, outs) = jax.lax.scan(step, ((x, own["layers"]), g), jnp.arange(n))
+        f = _head(plan, st, k_f, y, targets, depths, sh, embed_f, layers, {kind: tops}, own, 0, g_head, None)
+    # (B's outputs came last layer first.)
+    b = _b_end(plan, st, k_b, dx, {kind: jax.tree.map(lambda a: jnp.flip(a, 0), outs)}, embed_b, g_shared)
+    return f, b
 
 
 # -- W ------------------------------------------------------------------------------------------

@@ -50,6 +50,18 @@ def one_message(schedule) -> bool:
                    for row in schedule.ticks for cell in row)
 
 
+def pairs(overlap: bool, mixed: bool) -> bool:
+    """Does an F&B tick (`Table.overlap`: DualPipeV's F of one microbatch beside the fused B of
+    another) run its F and B as one loop over the layers, F's layer i beside B's layer n-1-i
+    (`actions.pair`), so that each one's collectives inside the layers (expert all-to-alls,
+    tensor-parallel collectives) can run beside the other's computation? On a model of one kind of
+    block: a mixed model's dense and MoE layers do not line up between F's order and B's reversed
+    one, and its F&B ticks run F's loop and B's apart (each in its own conditional, so that each
+    one's hop can run beside the other's computation; the paired loop's hops both wait for it).
+    Read by the executor and the planner."""
+    return overlap and not mixed
+
+
 def hops_per_tick(placement: str, p: int, one_message: bool) -> int:
     """The collective-permutes over `stage` of one tick (`tick.hop`): interleaved placement, F's
     output down the ring and B's gradient up, 2; V placement, each sent both ways, 4, or 2 where

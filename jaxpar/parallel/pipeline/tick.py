@@ -124,8 +124,7 @@ def run_b(plan, st, r: Row, bwd_buf, acc, bufs, g_shared):
     here too, and (`split_i`) I's pairs for W written into its stash slot and the wstash."""
     cot = get_row(bwd_buf, r.bi_in)
     d_rest, g_shared, dx, d_taps = actions.backward(plan, st, bufs[0], r.bi_stash, cot, r.bi_chunk, g_shared)
-    d_taps = {k_: tuple(None if a is None else vary(a, plan.taps[k_][4]) for a in xg)
-              for k_, xg in (d_taps or {}).items()}
+    d_taps = _vary_taps(plan, d_taps)
     if plan.split_i:
         new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg) if a is not None}
         bufs = write_now(bufs, plan.packing, new, r.i_stash, r.i_wstash, after(dx))
@@ -213,6 +212,37 @@ def hop(plan, r: Row, y, dx, fwd_buf, bwd_buf, index):
     return fwd_buf, bwd_buf
 
 
+def f_and_b(plan, st, r: Row, fwd_buf, bwd_buf, stash, acc, g_shared, g_head):
+    """Under a table of F&B ticks (`Table.overlap`): this tick's B (or I) and F, neither reading
+    what the other computes, F's residuals in a stash of one slot of its own (`tick`). On an F&B
+    tick, where the model allows it (`actions.pairs`), the two run as one loop, F's layer i beside
+    B's layer n-1-i (`actions.pair`), so that each one's collectives can overlap the other's
+    computation; else each in its own cond. Returns B's (acc, g_shared, dx, d_taps) and F's (y,
+    its slot, g_head, loss, maxima)."""
+    def apart(acc, g, g_head):
+        acc, g, dx, d_taps, _ = jax.lax.cond(
+            r.b_valid + r.i_valid > 0, lambda acc, g: run_b(plan, st, r, bwd_buf, acc, (stash, {}), g),
+            lambda acc, g: no_b(plan, acc, (), g), acc, g)
+        f = jax.lax.cond(r.f_valid > 0, lambda g: run_f(plan, st, r, fwd_buf, lambda x: x, empty_stash(plan, 1), g, 0),
+                         lambda g: no_f(plan, empty_stash(plan, 1), g), g_head)
+        return acc, g, dx, d_taps, *f
+
+    def paired(acc, g, g_head):
+        (y, own, g_head, loss, maxima), (d_rest, g, dx, d_taps) = actions.pair(
+            plan, st, get_row(fwd_buf, r.f_in), r.f_mb, r.f_chunk, empty_stash(plan, 1), g_head,
+            stash, r.bi_stash, get_row(bwd_buf, r.bi_in), r.bi_chunk, g)
+        return (actions.accumulate(acc, d_rest, r.bi_chunk), g, dx, _vary_taps(plan, d_taps), y, own, g_head, loss,
+                {key: vary(a, _maxima_axes(plan, key)) for key, a in maxima.items()})
+
+    if not actions.pairs(plan):
+        return apart(acc, g_shared, g_head)
+    return jax.lax.cond((r.f_valid > 0) & (r.b_valid > 0), paired, apart, acc, g_shared, g_head)
+
+
+def _vary_taps(plan, d_taps):
+    return {k_: tuple(None if a is None else vary(a, plan.taps[k_][4]) for a in xg) for k_, xg in (d_taps or {}).items()}
+
+
 def tick(plan: StagePlan, st: Stage, carry: Carry, row: dict):
     """One tick of the table on this stage: B or I, then W, then F (as the row says; F last, so
     that its residuals go into its stash slot inside its own cond, DESIGN.md §5.3), one hop each
@@ -225,7 +255,8 @@ def tick(plan: StagePlan, st: Stage, carry: Carry, row: dict):
     one slot of its own, copied into its slot of the stash after B's and W's reads (as `after`
     orders every other write; F writing the stash itself, unordered with their reads, made XLA
     copy the whole stash every tick: 1.76x the step's temp memory at p = 4). The cost: one slot's
-    copy per F, and zeros of one slot on a tick without F."""
+    copy per F, and zeros of one slot on a tick without F. On a tick with both, F and B run as one
+    loop over the layers (`f_and_b`, `actions.pair`)."""
     taps, overlap = plan.taps, plan.setup.table.overlap
     fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc, maxima_acc, g_head = carry
     r = read_row(row, st.index)
@@ -235,11 +266,17 @@ def tick(plan: StagePlan, st: Stage, carry: Carry, row: dict):
     # float32 accumulators. I writes W's pairs into its stash slot inside the same cond (a tick
     # without I fills no taps' worth of zeros), unless the split table also holds fused Bs, whose
     # W runs at once from the pairs (below).
-    acc_rest, g_shared, dx, d_taps, bufs = jax.lax.cond(
-        r.b_valid + r.i_valid > 0,
-        lambda acc, bufs, g: run_b(plan, st, r, bwd_buf, acc, bufs, g),
-        lambda acc, bufs, g: no_b(plan, acc, bufs, g),
-        {k_: a for k_, a in g_blocks.items() if k_ not in taps}, (stash, wstash if plan.split_i else {}), g_shared)
+    acc_rest = {k_: a for k_, a in g_blocks.items() if k_ not in taps}
+    if overlap:  # (see above: F apart from B and W; both in one loop on an F&B tick, `f_and_b`)
+        acc_rest, g_shared, dx, d_taps, y, own, g_head, loss, maxima = f_and_b(
+            plan, st, r, fwd_buf, bwd_buf, stash, acc_rest, g_shared, g_head)
+        bufs = ()
+    else:
+        acc_rest, g_shared, dx, d_taps, bufs = jax.lax.cond(
+            r.b_valid + r.i_valid > 0,
+            lambda acc, bufs, g: run_b(plan, st, r, bwd_buf, acc, bufs, g),
+            lambda acc, bufs, g: no_b(plan, acc, bufs, g),
+            acc_rest, (stash, wstash if plan.split_i else {}), g_shared)
     if plan.split_i:
         stash, wstash = bufs
     g_blocks = {**g_blocks, **acc_rest}
@@ -266,10 +303,7 @@ def tick(plan: StagePlan, st: Stage, carry: Carry, row: dict):
     # the one F fills in the same tick). (Only the first chunk's B, the embedding, and the last
     # chunk's F, the head, add to the shared leaves' vocabulary-sized float32 accumulators,
     # inside their own conds.)
-    if overlap:  # (see above: F apart from B and W)
-        y, own, g_head, loss, maxima = jax.lax.cond(
-            r.f_valid > 0, lambda g: run_f(plan, st, r, fwd_buf, lambda x: x, empty_stash(plan, 1), g, 0),
-            lambda g: no_f(plan, empty_stash(plan, 1), g), g_head)
+    if overlap:  # (F's residuals, from its own slot: `f_and_b`)
         stash = jax.lax.cond(r.f_valid > 0, lambda s: jax.tree.map(
             lambda b, o: jax.lax.dynamic_update_slice_in_dim(b, dep(o), r.f_stash, 0), s, own), lambda s: s, stash)
     else:
