@@ -179,46 +179,38 @@ def test_v_tick_sends_each_message_both_ways_in_the_fewest_collectives(schedule,
     assert not [n for n, (op, _) in ops.items() if op.startswith(("all-to-all", "all-gather", "all-reduce"))]
 
 
-def _side(op_name: str):
-    """Which action of an F&B tick an instruction of the paired loop belongs to, by its op name: B's
-    pullback ("transpose(...)"), F's layer under `jax.vjp` ("jvp(...)"), or neither (the loop's
-    own indexing)."""
-    return "B" if "transpose(" in op_name else "F" if "jvp(" in op_name else None
-
-
-def _paired_loops(comps: dict) -> list:
-    """The loops (while bodies) of the compiled program whose body runs both F's and B's work (`actions.pair`):
-    per loop, instruction name -> (opcode, operands, side), for the instructions that depend on the
-    loop's carry (a constant's broadcast is shared by both and waits for nothing)."""
-    loops = []
-    bodies = {b for lines in comps.values() for ln in lines if " while(" in ln for b in re.findall(r"body=%([\w.\-]+)", ln)}
-    for lines in (comps[b] for b in bodies):
+def _paired(comps: dict) -> list:
+    """The computations of the compiled program (a loop's body, or the loop unrolled) that run
+    both F's and B's layers of DualPipeV's F&B loop (`actions.pair`, named scopes "pair_f" and
+    "pair_b"): per computation, instruction name -> (opcode, operands, "F" | "B" | None), for the
+    instructions that depend on the computation's parameters (a constant's broadcast is shared by
+    both and waits for nothing)."""
+    found = []
+    for name, lines in comps.items():
         ops = {}
         for ln in lines:
             m = re.match(r"^\s*(?:ROOT )?%(\S+) = (.*)$", ln)
             if m:
                 rest, _, meta = m.group(2).partition(", metadata=")
-                name = re.search(r'op_name="([^"]*)"', meta)
-                ops[m.group(1)] = (re.search(r"\b([a-z][a-z0-9\-]*)\(", rest).group(1),
-                                   re.findall(r"%([\w.\-]+)", rest), _side(name.group(1) if name else ""))
-        if not any(op == "parameter" for op, _, _ in ops.values()):
-            continue
+                op_name = re.search(r'op_name="([^"]*)"', meta)
+                op_name = op_name.group(1) if op_name else ""
+                side = "F" if "pair_f/" in op_name else "B" if "pair_b/" in op_name else None
+                ops[m.group(1)] = (re.search(r"\b([a-z][a-z0-9\-]*)\(", rest).group(1), re.findall(r"%([\w.\-]+)", rest), side)
         data = {n for n in ops if ops[n][0] == "parameter" or any(ops[a][0] == "parameter" for a in _upstream(ops, n))}
         ops = {n: op for n, op in ops.items() if n in data}
-        sides = {side for op, _, side in ops.values() if op in ("fusion", "dot", "custom-call")}
-        if {"F", "B"} <= sides:
-            loops.append(ops)
-    return loops
+        if {"F", "B"} <= {side for op, _, side in ops.values() if op in ("fusion", "dot", "custom-call")}:
+            found.append(ops)
+    return found
 
 
 @pytest.mark.parametrize("experts", [False, True])
 def test_dualpipe_v_runs_f_and_b_as_one_loop_neither_waiting_for_the_other(experts):
     """DualPipeV's F&B ticks (`actions.pair`): one loop over the layers whose step runs F's layer i
-    beside B's layer n-1-i, and in the compiled program no instruction of F's in that loop waits
-    for one of B's, nor the other way round, so that XLA's scheduler may run each one's
-    collectives behind the other's computation; with experts over `data` (`experts`) the loop
-    holds F's expert all-to-alls and B's. (Before, F and B ran as two loops, one after the other:
-    no loop held both.)"""
+    beside B's layer n-1-i, and in the compiled program no instruction of F's there waits for one
+    of B's, nor the other way round, so that XLA's scheduler may run each one's collectives behind
+    the other's computation; with experts over `data` (`experts`) the loop holds F's expert
+    all-to-alls and B's. (XLA may unroll the loop of two steps: its body, or the unrolled code,
+    is read alike. Before, F and B ran as two loops, one after the other: no computation held both.)"""
     cfg = None
     if experts:
         from test_moe import moe_run
@@ -227,9 +219,9 @@ def test_dualpipe_v_runs_f_and_b_as_one_loop_neither_waiting_for_the_other(exper
         cfg = moe_run(2, 2, 1, schedule="dualpipe_v", n_layers=8).replace(
             parallel={"virtual_stages": 2, "microbatches": 4})
     _, comps = tick_body("dualpipe_v", 2, 4, cfg)
-    loops = _paired_loops(comps)
-    assert len(loops) == 1, len(loops)
-    ops = loops[0]
+    found = _paired(comps)
+    assert len(found) == 1, len(found)
+    ops = found[0]
     for n, (_, _, side) in ops.items():
         if side:
             waits = {ops[a][2] for a in _upstream(ops, n) if a in ops} - {None, side}
@@ -299,6 +291,10 @@ def test_v_schedules_composed_match_single_device(schedule, mesh, m, zero, remat
     # hands every stage its V's layer slots (`stages.stage_layout` with the V placement).
     ("zb_v", (2, 2, 2), 1, {"moe_layers": "first_dense:2", "n_layers": 8}),
     ("dualpipe_v", (2, 2, 1), 0, {"n_layers": 8}),  # (F and B of its F&B ticks in one loop of two layers)
+    # A dense first layer: chunks of one dense slot and three MoE slots, F's and B's kinds paired
+    # in three runs (dense beside MoE, MoE beside MoE, MoE beside dense: `actions.pair`).
+    ("dualpipe_v", (2, 2, 1), 0, {"moe_layers": "first_dense:1", "n_layers": 12}),
+    # An MoE layer every second one: F and B of its F&B ticks apart (`table.pairs`).
     ("dualpipe_v", (2, 2, 2), 3, {"moe_layers": "every:2", "n_layers": 8, "expert_tensor_parallel": False}),
 ])
 def test_v_schedules_with_experts_match_single_device(schedule, mesh, zero, options):

@@ -228,7 +228,7 @@ def _pair_loop(cfg: Config, p: int) -> bool:
     """Do the config's F&B ticks run F and B as one loop (`pipeline.table.pairs`)? The tick body
     then states each action's layers twice: in its own conditional and in the loop."""
     from jaxpar.parallel.pipeline.table import pairs
-    return p > 1 and pairs(_paired_ticks(*schedule_key(cfg, p)) > 0, cfg.model.mixed)
+    return p > 1 and pairs(_paired_ticks(*schedule_key(cfg, p)) > 0, cfg.model.moe_pattern)
 
 
 @functools.lru_cache(maxsize=512)
@@ -237,6 +237,8 @@ def _paired_share(name: str, p: int, m: int, v: int, w_slots: int | None = None)
     on its F&B ticks (DualPipeV's), averaged over the stages: what `table.pairs`' one loop can
     hide of each one's collectives behind the other's computation."""
     sched = _cached_schedule(name, p, m, v, w_slots)[0]
+    if sched.placement != "v":
+        return 0.0
     shares = []
     for s in range(p):
         cells = [row[s] for row in sched.ticks]
@@ -248,10 +250,13 @@ def _paired_share(name: str, p: int, m: int, v: int, w_slots: int | None = None)
 
 @functools.lru_cache(maxsize=512)
 def _paired_ticks(name: str, p: int, m: int, v: int, w_slots: int | None = None) -> int:
-    """Ticks of the schedule where a stage runs one microbatch's F beside another's fused B
-    (DualPipeV's F&B: `tick.f_and_b` keeps the two independent)."""
-    return sum(any({a.kind for a in cell} >= {"F", "B"} for cell in row)
-               for row in _cached_schedule(name, p, m, v, w_slots)[0].ticks)
+    """Ticks of a V schedule where a stage runs one microbatch's F beside another's fused B
+    (DualPipeV's F&B, `Table.overlap`: `tick.f_and_b` keeps the two independent); 0 under other
+    placements, whose F waits for the B of its tick (1F1B's)."""
+    sched = _cached_schedule(name, p, m, v, w_slots)[0]
+    if sched.placement != "v":
+        return 0
+    return sum(any({a.kind for a in cell} >= {"F", "B"} for cell in row) for row in sched.ticks)
 
 
 def uses_flash_attention(cfg: Config, platform: str) -> bool:

@@ -346,22 +346,39 @@ def _b_end(plan, st, k, dx, outs, embed_saved, g_shared):
 
 def pairs(plan) -> bool:
     """Does this stage's F&B tick run as one loop (`pair`)? `table.pairs`'s rule."""
-    return table.pairs(plan.setup.table.overlap, len(plan.kinds) > 1)
+    return table.pairs(plan.setup.table.overlap, plan.setup.cfg.model.moe_pattern)
+
+
+def positions(plan) -> list:
+    """The chunk's layers in F's order, (kind, index in its stack): one stack's, or (`table.pairs`)
+    a mixed chunk's dense first layers, then its MoE layers (`transformer.scan_layers`' order)."""
+    return [(kind, j) for kind in plan.kinds for j in range(plan.n_layers[kind])]
 
 
 def pair(plan, st, x_in, mb, k_f, own, g_head, stash, slot, cot, k_b, g_shared):
     """DualPipeV's F&B tick as one loop over the layers: step i runs F's layer i (microbatch mb,
-    chunk k_f, its residuals into row (0, i) of `own`, a stash of one slot) beside B's layer n-1-i
-    (another microbatch, chunk k_b, from stash slot `slot`). The two have no data dependency on
-    each other inside a step, so XLA's scheduler may run one's collectives (the expert
-    all-to-alls, the tensor-parallel collectives) behind the other's computation: two loops, as
-    `forward` then `backward` run them, cannot overlap (a loop is one while, and XLA runs whiles
-    one after the other). F's embedding, and B's start, before the loop; F's head and B's
-    embedding gradient after it. Returns F's (y, own, g_head, loss, maxima) and B's (d_rest,
-    g_shared, dx, d_taps), as `forward` and `backward` do."""
+    chunk k_f, its residuals into row (0, ·) of `own`, a stash of one slot) beside B's layer
+    n-1-i (another microbatch, chunk k_b, from stash slot `slot`). The two have no data
+    dependency on each other inside a step, so XLA's scheduler may run one's collectives (the
+    expert all-to-alls, the tensor-parallel collectives) behind the other's computation: two
+    loops, as `forward` then `backward` run them, cannot overlap (a loop is one while, and XLA
+    runs whiles one after the other). A mixed chunk (dense first layers, then MoE) pairs F's
+    dense layers with B's last MoE ones, then MoE with MoE, then F's last MoE layers with B's
+    dense ones: one loop per run of steps whose two kinds agree (at most three). F's embedding,
+    and B's start, before the loop; F's head and B's embedding gradient after it. Returns F's
+    (y, own, g_head, loss, maxima) and B's (d_rest, g_shared, dx, d_taps), as `forward` and
+    `backward` do."""
     s = plan.setup
-    (kind,) = plan.kinds
-    n = plan.n_layers[kind]
+    order = positions(plan)
+    n = len(order)
+    start = {kind: next(i for i, (k_, _) in enumerate(order) if k_ == kind) for kind in plan.kinds}
+    runs = []  # (first step, last step + 1, F's kind, B's kind)
+    for i in range(n):
+        kinds = (order[i][0], order[n - 1 - i][0])
+        if runs and runs[-1][2:] == kinds:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1, *kinds])
     tokens, targets, depths = microbatch(s, st, mb)
     at = lambda t, j: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), t)  # noqa: E731
     with sequence_layout(_layout_of(s, tokens)):
@@ -369,19 +386,31 @@ def pair(plan, st, x_in, mb, k_f, own, g_head, stash, slot, cot, k_b, g_shared):
         g, embed_b = _b_start(plan, st, stash, slot, cot, k_b)
         with _split(plan):
             f_layer, b_layer = _f_layer(plan, st, k_f, 0, None), _b_layer(plan, stash, slot)
-            stacks_f, stacks_b = kind_stacks(plan, st, k_f)[kind], kind_stacks(plan, st, k_b)[kind]
-            taps = kind_taps(plan)[kind] if s.table.split else None
+            stacks_f, stacks_b = kind_stacks(plan, st, k_f), kind_stacks(plan, st, k_b)
+            taps = kind_taps(plan) if s.table.split else None
+            carry = ((x, own["layers"]), g)
+            tops, outs = {kind: [] for kind in plan.kinds}, {kind: [] for kind in plan.kinds}
+            for a, b, kf, kb in runs:
+                def step(carry, i, kf=kf, kb=kb):
+                    f_carry, g = carry
+                    jf, jb = i - start[kf], n - 1 - i - start[kb]
+                    with jax.named_scope("pair_f"):  # (op names that say which action, in profiles and tests)
+                        f_carry, top = f_layer(kf, at(stacks_f[kf], jf), None if taps is None else at(taps[kf], jf),
+                                               jf, f_carry)
+                    with jax.named_scope("pair_b"):
+                        g, out = b_layer(kb, at(stacks_b[kb], jb), None, jb, g)
+                    return (f_carry, g), (top, out)
 
-            def step(carry, i):
-                f_carry, g = carry
-                f_carry, top = f_layer(kind, at(stacks_f, i), None if taps is None else at(taps, i), i, f_carry)
-                g, out = b_layer(kind, at(stacks_b, n - 1 - i), None, n - 1 - i, g)
-                return (f_carry, g), (top, out)
-
-            ((y, layers), dx), (tops, outs) = jax.lax.scan(step, ((x, own["layers"]), g), jnp.arange(n))
-        f = _head(plan, st, k_f, y, targets, depths, sh, embed_f, layers, {kind: tops}, own, 0, g_head, None)
+                carry, (top, out) = jax.lax.scan(step, carry, jnp.arange(a, b))
+                tops[kf].append(top)
+                outs[kb].append(out)
+        ((y, layers), dx) = carry
+        cat = lambda parts: jax.tree.map(lambda *a: jnp.concatenate(a), *parts)  # noqa: E731
+        f = _head(plan, st, k_f, y, targets, depths, sh, embed_f, layers, {kind: cat(t) for kind, t in tops.items()},
+                  own, 0, g_head, None)
     # (B's outputs came last layer first.)
-    b = _b_end(plan, st, k_b, dx, {kind: jax.tree.map(lambda a: jnp.flip(a, 0), outs)}, embed_b, g_shared)
+    b = _b_end(plan, st, k_b, dx, {kind: jax.tree.map(lambda a: jnp.flip(a, 0), cat(o)) for kind, o in outs.items()},
+               embed_b, g_shared)
     return f, b
 
 
