@@ -18,6 +18,7 @@ import numpy as np
 from jaxpar.sharding import vary, varying_axes
 
 STAGE = "stage"
+MODEL = "model"
 
 
 def get_row(buf: jax.Array, i: jax.Array) -> jax.Array:
@@ -35,15 +36,25 @@ def after(*read_results: jax.Array) -> Callable[[jax.Array], jax.Array]:
     """`write -> write` made to depend on what a read of the same buffer computed (adding an exact
     -0.0): a tick reads a stash slot (B, W) and writes another (F, I), and unless the write waits
     for the read's consumer XLA keeps a second copy of the whole buffer, every tick (measured:
-    twice the stash's temp bytes). Integer writes are left as they are (small: token ids)."""
+    twice the stash's temp bytes). Integer writes are left as they are (small: token ids).
+
+    A leaf that does not vary over `model` where the reads' results do (under tensor parallelism:
+    a replicated matmul input, a norm's output) cannot take a value that varies (its type would
+    change), so it depends on their sum over `model` instead: one scalar all-reduce over `model`
+    per call (at most two a tick), where without the dependency XLA kept copies of those leaves
+    (measured at (1, 4, 2), 8 layers, 1f1b, `remat: none`: 24.80 MB of temp memory, 18.24 with it)."""
     z = sum(jnp.ravel(r)[0].astype(jnp.float32) for r in read_results) if read_results else None
+    # (Stash leaves vary over `data` and `stage` whatever they hold, `tick.initial_carry`: only
+    # `model` may be one the reads vary over and a leaf does not.)
+    z_model = jax.lax.psum(z, MODEL) if z is not None and MODEL in varying_axes(z) else z
 
     def dep(x: jax.Array) -> jax.Array:
-        # (Not where z varies over an axis x does not: the sum would change x's type; those
-        # leaves keep their copy, e.g. small RoPE tables under tensor parallelism.)
-        if z is None or not jnp.issubdtype(x.dtype, jnp.floating) or not set(varying_axes(z)) <= set(varying_axes(x)):
+        if z is None or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
-        zero = jnp.where(jnp.isfinite(z), -jnp.abs(z) * 0.0, -0.0)  # -0.0, never NaN: x + -0.0 == x
+        zz = z if set(varying_axes(z)) <= set(varying_axes(x)) else z_model
+        if not set(varying_axes(zz)) <= set(varying_axes(x)):
+            return x
+        zero = jnp.where(jnp.isfinite(zz), -jnp.abs(zz) * 0.0, -0.0)  # -0.0, never NaN: x + -0.0 == x
         return x + vary(zero, varying_axes(x)).astype(x.dtype)
     return dep
 
