@@ -203,21 +203,23 @@ def _paired(comps: dict) -> list:
     return found
 
 
-@pytest.mark.parametrize("experts", [False, True])
+@pytest.mark.parametrize("experts", [None, "all", "every:2"])
 def test_dualpipe_v_runs_f_and_b_as_one_loop_neither_waiting_for_the_other(experts):
     """DualPipeV's F&B ticks (`actions.pair`): one loop over the layers whose step runs F's layer i
     beside B's layer n-1-i, and in the compiled program no instruction of F's there waits for one
     of B's, nor the other way round, so that XLA's scheduler may run each one's collectives behind
-    the other's computation; with experts over `data` (`experts`) the loop holds F's expert
-    all-to-alls and B's. (XLA may unroll the loop of two steps: its body, or the unrolled code,
-    is read alike. Before, F and B ran as two loops, one after the other: no computation held both.)"""
+    the other's computation; with experts over `data` (`experts`: every layer MoE, or every second
+    one, whose loop body runs F's dense layer beside B's MoE one, then the other way round) the
+    loop holds F's expert all-to-alls and B's. (XLA may unroll a loop of two steps: its body, or
+    the unrolled code, is read alike. Before, F and B ran as two loops, one after the other, or
+    an every:2 model's each in its own conditional: no computation held both.)"""
     cfg = None
     if experts:
         from test_moe import moe_run
 
-        # (Two layers a chunk: a loop of one step is no loop once compiled.)
-        cfg = moe_run(2, 2, 1, schedule="dualpipe_v", n_layers=8).replace(
-            parallel={"virtual_stages": 2, "microbatches": 4})
+        # (Two layers a chunk, every:2 two groups of two: a loop of one step is no loop once compiled.)
+        cfg = moe_run(2, 2, 1, schedule="dualpipe_v", n_layers=8 if experts == "all" else 16,
+                      moe_layers=experts).replace(parallel={"virtual_stages": 2, "microbatches": 4})
     _, comps = tick_body("dualpipe_v", 2, 4, cfg)
     found = _paired(comps)
     assert len(found) == 1, len(found)
@@ -229,6 +231,37 @@ def test_dualpipe_v_runs_f_and_b_as_one_loop_neither_waiting_for_the_other(exper
     if experts:
         a2a = {side for op, _, side in ops.values() if op == "all-to-all"}
         assert a2a == {"F", "B"}, a2a
+
+
+def test_the_f_and_b_loop_pairs_every_moe_layer_of_a_mixed_chunk_in_at_most_three_runs():
+    """`actions.pair_runs`: the F&B loop's steps as runs of a repeating period of kind pairs, each
+    one loop: F's layers in order and B's in reverse, each once; F's dense first layers alone
+    first and B's alone last (inactive slots on every chunk but the model's first: before, they
+    were paired with the other action's MoE layers, which then hid behind nothing), and between
+    them each period holds both actions' MoE layers, each beside a layer of the other's (an MoE
+    layer every N: F's group beside B's group in reverse, period N; every step holds one where
+    N <= 2); at most three runs at any depth."""
+    from jaxpar.parallel.pipeline.actions import pair_runs
+
+    for K, N, U in [(0, 1, 6), (3, 1, 8), (0, 2, 2), (0, 2, 8), (0, 4, 3), (1, 2, 6), (2, 4, 5)]:
+        kinds = ["dense"] * K + (["dense"] * (N - 1) + ["moe"]) * U
+        runs = pair_runs(kinds, K, N)
+        assert len(runs) == (3 if K else 1), ((K, N, U), [len(r) for r in runs])
+        steps = [step for run in runs for rep in run for step in rep]
+        at = lambda i: (kinds[i], kinds[:i].count(kinds[i]))  # noqa: E731
+        assert [f for f, _ in steps if f] == [at(i) for i in range(len(kinds))]
+        assert [b for _, b in steps if b] == [at(i) for i in reversed(range(len(kinds)))]
+        paired = [(f, b) for f, b in steps if f and b]
+        assert len(paired) == len(kinds) - K, (K, N, U)
+        middle = runs[1 if K else 0]  # each repetition: F's MoE layer and B's, beside the other's layers
+        assert all([f[0] for f, _ in rep].count("moe") == [b[0] for _, b in rep].count("moe") == 1 for rep in middle)
+        if N <= 2:  # every step holds an MoE layer
+            assert all("moe" in (f[0], b[0]) for f, b in paired), (K, N, U)
+        assert all(f[0] == "dense" and b is None for f, b in steps[:K])
+        for run in runs:  # the body's kinds, the same in every repetition
+            assert len({tuple((f and f[0], b and b[0]) for f, b in rep) for rep in run}) == 1
+    every2 = pair_runs(["dense", "moe"] * 8, 0, 2)
+    assert len(every2) == 1 and len(every2[0]) == 8  # (dense beside MoE, MoE beside dense) x 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,11 +324,12 @@ def test_v_schedules_composed_match_single_device(schedule, mesh, m, zero, remat
     # hands every stage its V's layer slots (`stages.stage_layout` with the V placement).
     ("zb_v", (2, 2, 2), 1, {"moe_layers": "first_dense:2", "n_layers": 8}),
     ("dualpipe_v", (2, 2, 1), 0, {"n_layers": 8}),  # (F and B of its F&B ticks in one loop of two layers)
-    # A dense first layer: chunks of one dense slot and three MoE slots, F's and B's kinds paired
-    # in three runs (dense beside MoE, MoE beside MoE, MoE beside dense: `actions.pair`).
+    # A dense first layer: chunks of one dense slot and three MoE slots, F's dense slot alone,
+    # then MoE beside MoE, then B's dense slot alone (`actions.pair_runs`).
     ("dualpipe_v", (2, 2, 1), 0, {"moe_layers": "first_dense:1", "n_layers": 12}),
-    # An MoE layer every second one: F and B of its F&B ticks apart (`table.pairs`).
-    ("dualpipe_v", (2, 2, 2), 3, {"moe_layers": "every:2", "n_layers": 8, "expert_tensor_parallel": False}),
+    # An MoE layer every second one: F's and B's kinds alternate in the loop's body, two groups
+    # a chunk (`actions.pair_runs`: dense beside MoE, MoE beside dense, twice).
+    ("dualpipe_v", (2, 2, 2), 3, {"moe_layers": "every:2", "n_layers": 16, "expert_tensor_parallel": False}),
 ])
 def test_v_schedules_with_experts_match_single_device(schedule, mesh, zero, options):
     from test_moe import moe_run

@@ -12,7 +12,7 @@ from jaxpar.mesh import AXES
 from jaxpar.parallel.gradients import reduction
 from jaxpar.plan import moe as moe_costs
 from jaxpar.parallel.pipeline.table import hops_per_tick, v_reorder_share
-from jaxpar.plan.memory import (_BYTES, _fused_b, _pair_loop, _paired_share, _paired_ticks, _schedule, _stage_slots, context_block, model_state,
+from jaxpar.plan.memory import (_BYTES, _fused_b, _pair_loop, _paired_share, _schedule, _stage_slots, context_block, model_state,
                                 muon_deal, schedule_key)
 
 
@@ -33,8 +33,8 @@ class Collective:
     consecutive data ranks), for its wire bytes and its link (`steptime.step_time`)."""
     paired: float = 0.0
     """The share of its runs on DualPipeV's F&B ticks beside the other action's computation, which
-    `steptime.step_time` hides behind those ticks' compute: the hops of a mixed model's F and B,
-    run apart, or the expert all-to-alls of F's and B's one loop (`pipeline.table.pairs`)."""
+    `steptime.step_time` hides behind those ticks' compute: the expert all-to-alls of F's and B's
+    one loop (`pipeline.actions.pair`)."""
 
     def wire(self, n: int) -> float:
         """Bytes one device sends per step over a group of n devices (ring algorithms):
@@ -83,13 +83,9 @@ def collectives(cfg: Config, shape: tuple[int, int, int], platform: str = "gpu")
         msg = rows * (m.seq_len // t if sp else m.seq_len) * m.d_model * act_size
         # The tick's hops (idle stages send zeros): F's output and B's gradient, each both ways under
         # the V unless no stage sends two in a tick (`pipeline.hops_per_tick`).
-        # On DualPipeV's F&B ticks run apart (a mixed model's, `pipeline.table.pairs`) each
-        # action's hop can run beside the other's computation (`paired`); in one loop, both wait for it.
-        hops, paired = hops_per_tick(table.placement, p, table.one_message), _paired_ticks(*schedule_key(cfg, p))
-        apart = 0 if _pair_loop(cfg, p) else paired
-        out.append(Collective("collective-permute", ("stage",), msg, hops * (ticks - apart)))
-        if apart:
-            out.append(Collective("collective-permute", ("stage",), msg, hops * apart, paired=1.0))
+        # (On DualPipeV's F&B ticks both hops wait for the loop of F and B: exposed too.)
+        hops = hops_per_tick(table.placement, p, table.one_message)
+        out.append(Collective("collective-permute", ("stage",), msg, hops * ticks))
         f32 = 4 / itemsize
         v = par.virtual_stages
         # What is reduced or gathered at use sits in the tick's action branches (B or W; F and B

@@ -225,16 +225,15 @@ def _fused_b(name: str, p: int, m: int, v: int, w_slots: int | None = None) -> b
 
 
 def _pair_loop(cfg: Config, p: int) -> bool:
-    """Do the config's F&B ticks run F and B as one loop (`pipeline.table.pairs`)? The tick body
-    then states each action's layers twice: in its own conditional and in the loop."""
-    from jaxpar.parallel.pipeline.table import pairs
-    return p > 1 and pairs(_paired_ticks(*schedule_key(cfg, p)) > 0, cfg.model.moe_pattern)
+    """Does the config's table have F&B ticks, which run F and B as one loop (`pipeline.actions.pair`)?
+    The tick body then states each action's layers twice: in its own conditional and in the loop."""
+    return p > 1 and _paired_ticks(*schedule_key(cfg, p)) > 0
 
 
 @functools.lru_cache(maxsize=512)
 def _paired_share(name: str, p: int, m: int, v: int, w_slots: int | None = None) -> float:
     """Of a stage's F, B and I (the actions that run the layers' collectives), the share that runs
-    on its F&B ticks (DualPipeV's), averaged over the stages: what `table.pairs`' one loop can
+    on its F&B ticks (DualPipeV's), averaged over the stages: what `actions.pair`'s one loop can
     hide of each one's collectives behind the other's computation."""
     sched = _cached_schedule(name, p, m, v, w_slots)[0]
     if sched.placement != "v":

@@ -234,8 +234,7 @@ def step_time(cfg: Config, shape: tuple[int, int, int], roof: Roofline, platform
     - stage traffic: exposed (the lock-step pipeline sends after each tick's compute).
     - DualPipeV's F&B ticks (`Collective.paired`): what runs there beside the other action's
       computation is hidden behind those ticks' share of the compute: the expert all-to-alls of
-      F's and B's one loop (`pipeline.table.pairs`), or, where a mixed model runs the two apart,
-      each one's hop.
+      F's and B's one loop (`pipeline.actions.pair`); their hops wait for the loop (exposed).
     - data traffic: collectives inside the layer scan (ZeRO-0/1's per-layer gradient all-reduce,
       ZeRO-3's gathers and reduce-scatters) run beside the next layer's compute, exposed past it
       and for the last layer; reductions after a microbatch or tick loop and the all-gather of

@@ -18,14 +18,14 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar import model
 from jaxpar.model.layers import document_segments, packed, sequence_layout, split_backward, weight_gradient
 from jaxpar.model import fp8, mtp, qk_clip
-from jaxpar.model.transformer import REMAT_POLICIES, block_bodies, scan_layers, stack, token_ids
+from jaxpar.model.transformer import REMAT_POLICIES, block_bodies, layer_order, scan_layers, stack, token_ids
 from jaxpar.parallel import context, microbatches
 from jaxpar.parallel.gradients import _seed, mark_for_use
-from jaxpar.parallel.pipeline import table
 from jaxpar.parallel.pipeline.setup import DATA, STAGE
 from jaxpar.parallel.pipeline.stash import get_row, param_leaves, set_row
 from jaxpar.sharding import vary, varying_axes, zeros_like_varying
@@ -344,41 +344,59 @@ def _b_end(plan, st, k, dx, outs, embed_saved, g_shared):
 # -- F and B in one loop (DualPipeV's F&B ticks) --------------------------------------------------
 
 
-def pairs(plan) -> bool:
-    """Does this stage's F&B tick run as one loop (`pair`)? `table.pairs`'s rule."""
-    return table.pairs(plan.setup.table.overlap, plan.setup.cfg.model.moe_pattern)
-
-
 def positions(plan) -> list:
-    """The chunk's layers in F's order, (kind, index in its stack): one stack's, or (`table.pairs`)
-    a mixed chunk's dense first layers, then its MoE layers (`transformer.scan_layers`' order)."""
-    return [(kind, j) for kind in plan.kinds for j in range(plan.n_layers[kind])]
+    """The chunk's layers in F's order, (kind, index in its stack): `transformer.scan_layers`' order,
+    the chunk model's (`transformer.layer_order`: a mixed chunk's dense first layers, then groups of
+    N - 1 dense layers and one MoE layer)."""
+    order = layer_order(plan.setup.chunk_cfg)
+    at = {int(layer): (kind, j) for kind in plan.kinds for j, layer in enumerate(order[kind])}
+    return [at[i] for i in range(len(at))]
+
+
+def pair_runs(kinds: list, prefix: int, period: int) -> list:
+    """The F&B loop's steps as runs that each compile to one loop, for a chunk whose layers in F's
+    order (`positions`) are of `kinds`: the first `prefix` the dense first layers (`first_dense:K`),
+    the rest repeating every `period` (one kind: 1; an MoE layer every N: N). A run is its
+    repetitions, each the steps of one period, each step (F's layer, B's layer), a layer as (kind,
+    index in its stack) or None; its steps' kinds are the same in every repetition (the loop's
+    body fixes them). F's dense first layers run alone first and B's alone last (no all-to-all to
+    hide, and inactive layer slots on every chunk but the model's first); between them F's layer
+    `prefix + i` runs beside B's layer n-1-i, so each of F's and B's MoE layers runs beside a
+    layer of the other's (every:N: F's group of N - 1 dense layers and its MoE layer beside B's
+    group in reverse, the two MoE layers at the group's ends). At most three runs, whatever the
+    depth."""
+    n = len(kinds)
+    at = [(kind, kinds[:i].count(kind)) for i, kind in enumerate(kinds)]
+    mid = [(at[prefix + i], at[n - 1 - i]) for i in range(n - prefix)]
+    runs = [[[(at[j], None)] for j in range(prefix)],
+            [mid[r * period:(r + 1) * period] for r in range(len(mid) // period)],
+            [[(None, at[prefix - 1 - j])] for j in range(prefix)]]
+    runs = [run for run in runs if run]
+    for run in runs:
+        key = lambda rep: [(f and f[0], b and b[0]) for f, b in rep]  # noqa: E731  (a kind, or None)
+        if any(key(rep) != key(run[0]) for rep in run):
+            raise AssertionError(f"the layers {kinds} do not repeat every {period} after the first {prefix}")
+    return runs
 
 
 def pair(plan, st, x_in, mb, k_f, own, g_head, stash, slot, cot, k_b, g_shared):
     """DualPipeV's F&B tick as one loop over the layers: step i runs F's layer i (microbatch mb,
     chunk k_f, its residuals into row (0, ·) of `own`, a stash of one slot) beside B's layer
-    n-1-i (another microbatch, chunk k_b, from stash slot `slot`). The two have no data
+    n-1-i (another microbatch, chunk k_b, from stash slot `slot`); a chunk with dense first
+    layers pairs the layers after them (`pair_runs`). The two have no data
     dependency on each other inside a step, so XLA's scheduler may run one's collectives (the
     expert all-to-alls, the tensor-parallel collectives) behind the other's computation: two
     loops, as `forward` then `backward` run them, cannot overlap (a loop is one while, and XLA
-    runs whiles one after the other). A mixed chunk (dense first layers, then MoE) pairs F's
-    dense layers with B's last MoE ones, then MoE with MoE, then F's last MoE layers with B's
-    dense ones: one loop per run of steps whose two kinds agree (at most three). F's embedding,
-    and B's start, before the loop; F's head and B's embedding gradient after it. Returns F's
-    (y, own, g_head, loss, maxima) and B's (d_rest, g_shared, dx, d_taps), as `forward` and
-    `backward` do."""
+    runs whiles one after the other). A mixed chunk's dense first layers run alone, F's before
+    the loop and B's after it, and its steps repeat a period of kind pairs (`pair_runs`), the
+    loop's body running one period with the kinds fixed and the layers' indices in their stacks
+    as its inputs. F's embedding, and B's start, before the loop; F's head and B's embedding
+    gradient after it. Returns F's (y, own, g_head, loss, maxima) and B's (d_rest, g_shared, dx,
+    d_taps), as `forward` and `backward` do."""
     s = plan.setup
-    order = positions(plan)
-    n = len(order)
-    start = {kind: next(i for i, (k_, _) in enumerate(order) if k_ == kind) for kind in plan.kinds}
-    runs = []  # (first step, last step + 1, F's kind, B's kind)
-    for i in range(n):
-        kinds = (order[i][0], order[n - 1 - i][0])
-        if runs and runs[-1][2:] == kinds:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1, *kinds])
+    cfg = s.chunk_cfg
+    prefix, period = cfg.moe_pattern if cfg.mixed else (0, 1)
+    runs = pair_runs([kind for kind, _ in positions(plan)], prefix, period)
     tokens, targets, depths = microbatch(s, st, mb)
     at = lambda t, j: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False), t)  # noqa: E731
     with sequence_layout(_layout_of(s, tokens)):
@@ -389,29 +407,67 @@ def pair(plan, st, x_in, mb, k_f, own, g_head, stash, slot, cot, k_b, g_shared):
             stacks_f, stacks_b = kind_stacks(plan, st, k_f), kind_stacks(plan, st, k_b)
             taps = kind_taps(plan) if s.table.split else None
             carry = ((x, own["layers"]), g)
+            # kind -> [(what the steps of that kind gave, [R], their layers' indices in the stack [R])]
             tops, outs = {kind: [] for kind in plan.kinds}, {kind: [] for kind in plan.kinds}
-            for a, b, kf, kb in runs:
-                def step(carry, i, kf=kf, kb=kb):
-                    f_carry, g = carry
-                    jf, jb = i - start[kf], n - 1 - i - start[kb]
-                    with jax.named_scope("pair_f"):  # (op names that say which action, in profiles and tests)
-                        f_carry, top = f_layer(kf, at(stacks_f[kf], jf), None if taps is None else at(taps[kf], jf),
-                                               jf, f_carry)
-                    with jax.named_scope("pair_b"):
-                        g, out = b_layer(kb, at(stacks_b[kb], jb), None, jb, g)
-                    return (f_carry, g), (top, out)
+            for run in runs:
+                steps = [(f[0] if f else None, b[0] if b else None) for f, b in run[0]]  # (the body's kinds)
+                # Each step's layer indices, per repetition r: first + r * stride (F's up its stacks,
+                # B's down), as functions of the loop counter, which XLA's loop analyses read.
+                jf, jb = ([[f[1] if f else 0 for f in side] for side in zip(*[[x[w] for x in rep] for rep in run])]
+                          for w in (0, 1))
+                lines = [_affine(js) for js in (*jf, *jb)]
 
-                carry, (top, out) = jax.lax.scan(step, carry, jnp.arange(a, b))
-                tops[kf].append(top)
-                outs[kb].append(out)
+                def body(carry, r, steps=steps, lines=lines):
+                    f_carry, g = carry
+                    got = []
+                    for q, (kf, kb) in enumerate(steps):
+                        top = out = None
+                        if kf is not None:
+                            j = lines[q][0] + r * lines[q][1]
+                            with jax.named_scope("pair_f"):  # (op names that say which action, in profiles and tests)
+                                f_carry, top = f_layer(kf, at(stacks_f[kf], j), None if taps is None else at(taps[kf], j),
+                                                       j, f_carry)
+                        if kb is not None:
+                            j = lines[len(steps) + q][0] + r * lines[len(steps) + q][1]
+                            with jax.named_scope("pair_b"):
+                                g, out = b_layer(kb, at(stacks_b[kb], j), None, j, g)
+                        got.append((top, out))
+                    return (f_carry, g), got
+
+                carry, got = jax.lax.scan(body, carry, jnp.arange(len(run)))
+                for q, ((kf, kb), (top, out)) in enumerate(zip(steps, got)):
+                    if kf is not None:
+                        tops[kf].append((top, np.asarray(jf[q])))
+                    if kb is not None:
+                        outs[kb].append((out, np.asarray(jb[q])))
         ((y, layers), dx) = carry
-        cat = lambda parts: jax.tree.map(lambda *a: jnp.concatenate(a), *parts)  # noqa: E731
-        f = _head(plan, st, k_f, y, targets, depths, sh, embed_f, layers, {kind: cat(t) for kind, t in tops.items()},
-                  own, 0, g_head, None)
-    # (B's outputs came last layer first.)
-    b = _b_end(plan, st, k_b, dx, {kind: jax.tree.map(lambda a: jnp.flip(a, 0), cat(o)) for kind, o in outs.items()},
-               embed_b, g_shared)
+        f = _head(plan, st, k_f, y, targets, depths, sh, embed_f, layers,
+                  {kind: _in_stack_order(t) for kind, t in tops.items()}, own, 0, g_head, None)
+    b = _b_end(plan, st, k_b, dx, {kind: _in_stack_order(o) for kind, o in outs.items()}, embed_b, g_shared)
     return f, b
+
+
+def _affine(js: list) -> tuple[int, int]:
+    """(first, stride) of a step's layer indices over a run's repetitions (`pair_runs`' are)."""
+    first, stride = js[0], (js[1] - js[0] if len(js) > 1 else 0)
+    if list(js) != [first + r * stride for r in range(len(js))]:
+        raise AssertionError(f"the layer indices {js} are not evenly spaced")
+    return first, stride
+
+
+def _in_stack_order(parts: list):
+    """One stack's per-layer outputs from the F&B loop's runs ((outputs [R, ...], their layers'
+    indices in the stack [R]) per run and step of the period), in stack order: concatenated, then
+    permuted where they came in another order (B's came last layer first)."""
+    if not parts or parts[0][0] is None:
+        return None
+    where = np.concatenate([j for _, j in parts])
+    out = jax.tree.map(lambda *a: jnp.concatenate(a), *[o for o, _ in parts])
+    if (where == np.arange(len(where))).all():
+        return out
+    if (where == np.arange(len(where))[::-1]).all():
+        return jax.tree.map(lambda a: jnp.flip(a, 0), out)
+    return jax.tree.map(lambda a: a[np.argsort(where)], out)
 
 
 # -- W ------------------------------------------------------------------------------------------

@@ -50,20 +50,6 @@ def one_message(schedule) -> bool:
                    for row in schedule.ticks for cell in row)
 
 
-def pairs(overlap: bool, moe_pattern: tuple[int, int]) -> bool:
-    """Does an F&B tick (`Table.overlap`: DualPipeV's F of one microbatch beside the fused B of
-    another) run its F and B as one loop over the layers, F's layer i beside B's layer n-1-i
-    (`actions.pair`), so that each one's collectives inside the layers (expert all-to-alls,
-    tensor-parallel collectives) can run beside the other's computation? Where a chunk's layers
-    are of one kind, or dense first layers then MoE ones (`model.moe_layers` `all` or
-    `first_dense:K`, `moe_pattern` (K, 1): DeepSeek-V3's): then F's and B's kinds agree over at
-    most three runs of steps. A model with an MoE layer every N > 1 (`every:N`) would need a run
-    per layer; its F&B ticks run F and B apart, each in its own conditional (each one's hop
-    beside the other's computation; the loop's hops both wait for it). Read by the executor and
-    the planner."""
-    return overlap and moe_pattern[1] == 1
-
-
 def hops_per_tick(placement: str, p: int, one_message: bool) -> int:
     """The collective-permutes over `stage` of one tick (`tick.hop`): interleaved placement, F's
     output down the ring and B's gradient up, 2; V placement, each sent both ways, 4, or 2 where

@@ -215,9 +215,9 @@ def hop(plan, r: Row, y, dx, fwd_buf, bwd_buf, index):
 def f_and_b(plan, st, r: Row, fwd_buf, bwd_buf, stash, acc, g_shared, g_head):
     """Under a table of F&B ticks (`Table.overlap`): this tick's B (or I) and F, neither reading
     what the other computes, F's residuals in a stash of one slot of its own (`tick`). On an F&B
-    tick, where the model allows it (`actions.pairs`), the two run as one loop, F's layer i beside
-    B's layer n-1-i (`actions.pair`), so that each one's collectives can overlap the other's
-    computation; else each in its own cond. Returns B's (acc, g_shared, dx, d_taps) and F's (y,
+    tick the two run as one loop, F's layer i beside B's layer n-1-i (`actions.pair`), so that each
+    one's collectives can overlap the other's computation; on a tick of one of them, it alone in
+    its own cond. Returns B's (acc, g_shared, dx, d_taps) and F's (y,
     its slot, g_head, loss, maxima)."""
     def apart(acc, g, g_head):
         acc, g, dx, d_taps, _ = jax.lax.cond(
@@ -234,8 +234,6 @@ def f_and_b(plan, st, r: Row, fwd_buf, bwd_buf, stash, acc, g_shared, g_head):
         return (actions.accumulate(acc, d_rest, r.bi_chunk), g, dx, _vary_taps(plan, d_taps), y, own, g_head, loss,
                 {key: vary(a, _maxima_axes(plan, key)) for key, a in maxima.items()})
 
-    if not actions.pairs(plan):
-        return apart(acc, g_shared, g_head)
     return jax.lax.cond((r.f_valid > 0) & (r.b_valid > 0), paired, apart, acc, g_shared, g_head)
 
 
