@@ -179,6 +179,31 @@ def test_v_tick_sends_each_message_both_ways_in_the_fewest_collectives(schedule,
     assert not [n for n, (op, _) in ops.items() if op.startswith(("all-to-all", "all-gather", "all-reduce"))]
 
 
+def _shape_of(comps: dict, name: str) -> str:
+    """The result shape of instruction `name` (unique in the module), as HLO prints it."""
+    for lines in comps.values():
+        for ln in lines:
+            m = re.match(rf"^\s*(?:ROOT )?%{re.escape(name)} = (\S+)", ln)
+            if m:
+                return m.group(1).split("{")[0]
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("schedule", ["zb_v", "dualpipe_v"])
+def test_the_tick_adds_to_the_vocabulary_sized_gradients_in_place(schedule):
+    """The float32 gradient accumulators of the embedding and the head ([vocab, d_model] and
+    [d_model, vocab]) are added to in place, inside the cond of the action that adds: the compiled
+    tick loop's body copies neither (a copy there runs on every tick of every stage). Before,
+    DualPipeV's F&B tick was one cond choosing between the F&B loop and F and B apart, each of
+    whose branches returned what an inner cond had updated, and XLA copied both accumulators on
+    every tick (`tick.f_and_b`)."""
+    cfg = v_cfg(schedule, 2, 4)
+    ops, comps = tick_body(schedule, 2, 4)
+    v, d = cfg.model.vocab_size, cfg.model.d_model
+    copies = [(n, _shape_of(comps, n)) for n, (op, _) in ops.items() if op == "copy"]
+    assert not [c for c in copies if c[1] in (f"f32[{v},{d}]", f"f32[{d},{v}]")], copies
+
+
 def _paired(comps: dict) -> list:
     """The computations of the compiled program (a loop's body, or the loop unrolled) that run
     both F's and B's layers of DualPipeV's F&B loop (`actions.pair`, named scopes "pair_f" and

@@ -216,25 +216,39 @@ def f_and_b(plan, st, r: Row, fwd_buf, bwd_buf, stash, acc, g_shared, g_head):
     """Under a table of F&B ticks (`Table.overlap`): this tick's B (or I) and F, neither reading
     what the other computes, F's residuals in a stash of one slot of its own (`tick`). On an F&B
     tick the two run as one loop, F's layer i beside B's layer n-1-i (`actions.pair`), so that each
-    one's collectives can overlap the other's computation; on a tick of one of them, it alone in
-    its own cond. Returns B's (acc, g_shared, dx, d_taps) and F's (y,
-    its slot, g_head, loss, maxima)."""
-    def apart(acc, g, g_head):
-        acc, g, dx, d_taps, _ = jax.lax.cond(
-            r.b_valid + r.i_valid > 0, lambda acc, g: run_b(plan, st, r, bwd_buf, acc, (stash, {}), g),
-            lambda acc, g: no_b(plan, acc, (), g), acc, g)
-        f = jax.lax.cond(r.f_valid > 0, lambda g: run_f(plan, st, r, fwd_buf, lambda x: x, empty_stash(plan, 1), g, 0),
-                         lambda g: no_f(plan, empty_stash(plan, 1), g), g_head)
-        return acc, g, dx, d_taps, *f
+    one's collectives can overlap the other's computation; on a tick of one of them, it alone.
+    Returns B's (acc, g_shared, dx, d_taps) and F's (y, its slot, g_head, loss, maxima).
 
-    def paired(acc, g, g_head):
+    Three conds one after another, each running its action or passing everything through: the
+    F&B loop, B (or I) alone, F alone, from idle outputs. Not one cond choosing between the loop
+    and the two apart: where a cond's branches both return what an inner cond updated (B's
+    embedding gradient, F's head's), XLA copied the accumulator on every tick, vocabulary-sized
+    (measured: the embedding's and the head's float32 gradients, 136 copies a step at p = 4,
+    m = 8); a cond between an action and a pass-through of everything updates it in place (a
+    pass-through of the accumulators beside fresh idle outputs did not)."""
+    both = (r.f_valid > 0) & (r.b_valid > 0)
+    out = (*no_b(plan, acc, (), g_shared)[:4], *no_f(plan, empty_stash(plan, 1), g_head))
+
+    def paired(out):
+        acc, g, _, _, _, own, g_head, _, _ = out
         (y, own, g_head, loss, maxima), (d_rest, g, dx, d_taps) = actions.pair(
-            plan, st, get_row(fwd_buf, r.f_in), r.f_mb, r.f_chunk, empty_stash(plan, 1), g_head,
+            plan, st, get_row(fwd_buf, r.f_in), r.f_mb, r.f_chunk, own, g_head,
             stash, r.bi_stash, get_row(bwd_buf, r.bi_in), r.bi_chunk, g)
         return (actions.accumulate(acc, d_rest, r.bi_chunk), g, dx, _vary_taps(plan, d_taps), y, own, g_head, loss,
                 {key: vary(a, _maxima_axes(plan, key)) for key, a in maxima.items()})
 
-    return jax.lax.cond((r.f_valid > 0) & (r.b_valid > 0), paired, apart, acc, g_shared, g_head)
+    def b_alone(out):
+        acc, g, _, _, *f = out
+        return (*run_b(plan, st, r, bwd_buf, acc, (stash, {}), g)[:4], *f)
+
+    def f_alone(out):
+        *b, _, own, g_head, _, _ = out
+        return (*b, *run_f(plan, st, r, fwd_buf, lambda x: x, own, g_head, 0))
+
+    keep = lambda out: out  # noqa: E731
+    out = jax.lax.cond(both, paired, keep, out)
+    out = jax.lax.cond((r.b_valid + r.i_valid > 0) & ~both, b_alone, keep, out)
+    return jax.lax.cond((r.f_valid > 0) & ~both, f_alone, keep, out)
 
 
 def _vary_taps(plan, d_taps):
@@ -253,8 +267,9 @@ def tick(plan: StagePlan, st: Stage, carry: Carry, row: dict):
     one slot of its own, copied into its slot of the stash after B's and W's reads (as `after`
     orders every other write; F writing the stash itself, unordered with their reads, made XLA
     copy the whole stash every tick: 1.76x the step's temp memory at p = 4). The cost: one slot's
-    copy per F, and zeros of one slot on a tick without F. On a tick with both, F and B run as one
-    loop over the layers (`f_and_b`, `actions.pair`)."""
+    copy per F, and F's and B's idle outputs (zeros, one slot among them) filled on every tick
+    (`f_and_b`). On a tick with both, F and B run as one loop over the layers (`f_and_b`,
+    `actions.pair`)."""
     taps, overlap = plan.taps, plan.setup.table.overlap
     fwd_buf, bwd_buf, stash, wstash, g_blocks, g_shared, loss_acc, maxima_acc, g_head = carry
     r = read_row(row, st.index)
