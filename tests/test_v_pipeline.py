@@ -158,7 +158,7 @@ def tick_body(schedule, p, m, cfg=None):
     cfg = v_cfg(schedule, p, m) if cfg is None else cfg
     if cfg not in _TICKS:
         compiled, _ = lower_step(cfg, make_mesh(cfg, jax.devices()[:cfg.mesh.data * p * cfg.mesh.model]))
-        _TICKS[cfg] = _tick_body(compiled.as_text(), build_schedule(schedule, p, m, 2).num_ticks())
+        _TICKS[cfg] = _tick_body(compiled.as_text(), build_schedule(schedule, p, m, cfg.parallel.virtual_stages).num_ticks())
     return _TICKS[cfg]
 
 
@@ -202,6 +202,20 @@ def test_the_tick_adds_to_the_vocabulary_sized_gradients_in_place(schedule):
     v, d = cfg.model.vocab_size, cfg.model.d_model
     copies = [(n, _shape_of(comps, n)) for n, (op, _) in ops.items() if op == "copy"]
     assert not [c for c in copies if c[1] in (f"f32[{v},{d}]", f"f32[{d},{v}]")], copies
+
+
+@pytest.mark.parametrize("schedule, layers", [("zb_v", 4), ("1f1b", 2)])
+def test_with_one_layer_a_chunk_the_tick_writes_the_stash_in_place(schedule, layers):
+    """With one layer a chunk (zb_v's four chunks of a 4-layer model on two stages, 1f1b's two of a
+    2-layer one) XLA inlines the layer loop, and I's write of W's pairs over the residuals it read
+    must still come after every read of them: the compiled tick loop's body copies no float
+    buffer (a copy there runs on every tick). Before, a norm's gradient, read from a residual and
+    needed by no input gradient, was unordered with that write, and XLA copied the residual's
+    stash leaf on every tick (`tick.run_b`)."""
+    cfg = v_cfg(schedule, 2, 4, virtual_stages=2 if schedule == "zb_v" else 1).replace(model={"n_layers": layers})
+    ops, comps = tick_body(schedule, 2, 4, cfg)
+    copies = [(n, _shape_of(comps, n)) for n, (op, _) in ops.items() if op == "copy"]
+    assert not [c for c in copies if c[1].startswith(("f32", "bf16"))], copies
 
 
 def _paired(comps: dict) -> list:

@@ -121,13 +121,18 @@ def run_b(plan, st, r: Row, bwd_buf, acc, bufs, g_shared):
     """B or I, inside its cond: the cotangent read from its receive slot and the stash slot read
     layer by layer in here, not before the cond (a slice of every residual leaf, megabytes, copied
     on every tick would cost more than the matmuls of an idle tick); its gradients accumulated
-    here too, and (`split_i`) I's pairs for W written into its stash slot and the wstash."""
+    here too, and (`split_i`) I's pairs for W written into its stash slot and the wstash, after
+    everything I computed from the slot: its input gradient and its small leaves' gradients (norms,
+    biases). Where a chunk has one layer XLA inlines the layer loop, and a norm's gradient, computed
+    from a residual and needed by no input gradient, was read unordered with the pairs' write over
+    that residual's leaf: XLA copied the leaf on every tick (measured: 1f1b, zb_h1 and zb_v with
+    one layer a chunk; with more, the loop orders every read before the write)."""
     cot = get_row(bwd_buf, r.bi_in)
     d_rest, g_shared, dx, d_taps = actions.backward(plan, st, bufs[0], r.bi_stash, cot, r.bi_chunk, g_shared)
     d_taps = _vary_taps(plan, d_taps)
     if plan.split_i:
         new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg) if a is not None}
-        bufs = write_now(bufs, plan.packing, new, r.i_stash, r.i_wstash, after(dx))
+        bufs = write_now(bufs, plan.packing, new, r.i_stash, r.i_wstash, after(dx, *jax.tree.leaves(d_rest)))
         d_taps = {}
     return actions.accumulate(acc, d_rest, r.bi_chunk), g_shared, dx, d_taps, bufs if plan.split_i else ()
 
