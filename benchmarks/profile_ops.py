@@ -92,7 +92,8 @@ def trace_program(args) -> tuple[str, str]:
 
     if args.pool:
         os.environ["PJRT_NPROC"] = str(args.pool)
-    bench = parse_args(["--schedule", args.schedule, "--microbatches", str(args.microbatches)])
+    bench = parse_args(["--schedule", args.schedule, "--microbatches", str(args.microbatches),
+                        *(["--layers", str(args.layers)] if args.layers else [])])
     cfg = jaxpar_config(bench, args.microbatches, args.schedule if args.program == "pipe" else None)
     from jaxpar.mesh import use_cpu_devices
 
@@ -132,6 +133,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--hlo", help="the traced program's HLO text (compiled.as_text()), for shapes and op names")
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--layers", type=int, default=None, help="the model's layers (default pipeline_work.py's, 8)")
     p.add_argument("--pool", type=int, default=None, help="PJRT_NPROC (default: as jaxpar.mesh sizes it)")
     p.add_argument("--steps", type=int, default=3, help="steps traced (or in --trace), to divide by")
     p.add_argument("--top", type=int, default=40)

@@ -218,6 +218,29 @@ def test_with_one_layer_a_chunk_the_tick_writes_the_stash_in_place(schedule, lay
     assert not [c for c in copies if c[1].startswith(("f32", "bf16"))], copies
 
 
+@pytest.mark.parametrize("schedule", ["zb_v", "dualpipe_v", "interleaved_1f1b"])
+def test_each_layer_reads_its_weights_from_the_stage_parameters(schedule):
+    """With two chunks a stage, each of two layers, an action takes each layer's weights straight
+    from the stage's [chunks, layers, ...] parameters (`actions.layer_params`): in the compiled
+    program only the float32 gradient accumulators' chunk rows (`actions.accumulate`, read whole
+    to add to) are sliced [1, layers, ...] out of a weight-shaped buffer. Before, the action sliced
+    its chunk's parameters first and the layer loop its layers from that, and XLA copied the
+    chunk's weights on every F and every B or I."""
+    from jaxpar import model
+
+    cfg = v_cfg(schedule, 2, 4, virtual_stages=2)
+    per_chunk = cfg.model.n_layers // 4
+    assert per_chunk >= 2
+    shapes = {(1, per_chunk, *w.shape[1:]) for w in jax.tree.leaves(model.param_shapes(cfg.model)["blocks"])}
+    _, comps = tick_body(schedule, 2, 4, cfg)
+    sliced = [ln for lines in comps.values() for ln in lines
+              if (m := re.search(r"= f32\[([\d,]+)\]\S* dynamic-slice\(", ln))
+              and tuple(int(x) for x in m.group(1).split(",")) in shapes]
+    assert sliced  # (the accumulators' rows: what the test tells apart)
+    assert all("/accumulate/" in ln for ln in sliced), [ln.split(", metadata")[0].strip() for ln in sliced
+                                                        if "/accumulate/" not in ln]
+
+
 def _paired(comps: dict) -> list:
     """The computations of the compiled program (a loop's body, or the loop unrolled) that run
     both F's and B's layers of DualPipeV's F&B loop (`actions.pair`, named scopes "pair_f" and

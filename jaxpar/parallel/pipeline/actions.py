@@ -93,11 +93,24 @@ def active(plan, st, k):
     return {kind: jnp.asarray(a)[st.index, k] for kind, a in plan.setup.slots.active.items()}
 
 
-def kind_stacks(plan, st, k) -> dict:
-    """kind -> (parameters, what is differentiated) of chunk k's layers of that stack, [n, ...]."""
-    full_bl = chunk_params(st, k)
-    diff_bl = diff_blocks(plan, full_bl)
-    return {kind: (stack(full_bl, kind), stack(diff_bl, kind)) for kind in plan.kinds}
+def layer_indices(plan) -> dict:
+    """kind -> [0, n) for the stack's n layers in a chunk: what the actions' layer loops
+    (`transformer.scan_layers`) scan in place of the layers' parameters, each step taking its
+    layer from the stage's parameters itself (`layer_params`)."""
+    return {kind: jnp.arange(plan.n_layers[kind]) for kind in plan.kinds}
+
+
+def layer_params(plan, st, k, kind, j):
+    """(parameters, what is differentiated) of layer j of local chunk k's stack `kind`, sliced
+    from the stage's [chunks, layers, ...] leaves at [k, j] in one step. (Slicing the chunk first,
+    `chunk_params`, then its layers in the loop made XLA copy the chunk's parameters on every F
+    and every B or I of a stage with more than one chunk: a temp buffer of the chunk's size,
+    measured from the compiled step.)"""
+    full = jax.tree.map(lambda w: jax.lax.dynamic_slice(w, (k, j, *[0] * (w.ndim - 2)), (1, 1, *w.shape[2:])
+                                                        ).reshape(w.shape[2:]), stack(st.blocks, kind))
+    diff = jax.tree.map(lambda w, dim, m: _seed(w, dim, plan.setup.d) if m else w, full, plan.layer_dims[kind],
+                        stack(plan.block_mask, kind))
+    return full, diff
 
 
 def bodies(plan, st, k):
@@ -189,7 +202,7 @@ def forward(plan, st, x_in, mb, k, stash, slot, g_shared, rec=None):
         # (Under a split table each weight matmul takes its tap from the layer's `linear`: the
         # bodies are built, and traced, inside the split context.)
         with _split(plan):
-            (y, layers), tops = scan_layers(s.chunk_cfg, kind_stacks(plan, st, k),
+            (y, layers), tops = scan_layers(s.chunk_cfg, layer_indices(plan),
                                             (x, None if stash is None else stash["layers"]),
                                             _f_layer(plan, st, k, slot, rec), kind_taps(plan) if s.table.split else None)
         return _head(plan, st, k, y, targets, depths, sh, embed_saved, layers, tops, stash, slot, g_shared, rec)
@@ -222,15 +235,15 @@ def _embed(plan, st, x_in, tokens, k, rec):
 
 def _f_layer(plan, st, k, slot, rec):
     """F's layer function for `scan_layers` (chunk k's bodies, built here under train.qk_clip's
-    recording): (kind, (params, differentiated), tap, i, (x, stash layers)) -> ((y, stash
-    layers), the layer's largest logits or None), its residuals written into row (slot, i)."""
+    recording): (kind, _, tap, i, (x, stash layers)) -> ((y, stash layers), the layer's largest
+    logits or None) of chunk k's layer i, its residuals written into row (slot, i)."""
     s = plan.setup
     with qk_clip.recording(s.clipping):
         body = bodies(plan, st, k)
 
-    def layer(kind, xs, tap, i, carry):
+    def layer(kind, _, tap, i, carry):
         x, stash_layers = carry
-        full_l, diff_l = xs
+        full_l, diff_l = layer_params(plan, st, k, kind, i)
         diff = plan.flat_kind(kind, diff_l)
         fixed = {p_: w for p_, w in diff.items() if p_ in plan.taps}  # (split: the taps differentiate these)
 
@@ -305,7 +318,8 @@ def backward(plan, st, stash, slot, cot, k, g_shared):
     inside it, over the rows the loop reads, they made XLA copy every stash buffer per layer,
     measured.)"""
     g, embed_saved = _b_start(plan, st, stash, slot, cot, k)
-    dx, outs = scan_layers(plan.setup.chunk_cfg, kind_stacks(plan, st, k), g, _b_layer(plan, stash, slot), reverse=True)
+    dx, outs = scan_layers(plan.setup.chunk_cfg, layer_indices(plan), g, _b_layer(plan, st, k, stash, slot),
+                           reverse=True)
     return _b_end(plan, st, k, dx, outs, embed_saved, g_shared)
 
 
@@ -317,11 +331,11 @@ def _b_start(plan, st, stash, slot, cot, k):
     return jnp.where(last, dy, cot), embed_saved
 
 
-def _b_layer(plan, stash, slot):
-    """B's layer function for `scan_layers`: (kind, (params, differentiated), _, i, cotangent) ->
-    (the input's cotangent, (parameter gradients, the taps')), its residuals read from row (slot, i)."""
-    def layer(kind, xs, _, i, g):
-        full_l, diff_l = xs
+def _b_layer(plan, st, k, stash, slot):
+    """B's layer function for `scan_layers`: (kind, _, _, i, cotangent) -> (the input's cotangent,
+    (parameter gradients, the taps')) of chunk k's layer i, its residuals read from row (slot, i)."""
+    def layer(kind, _, __, i, g):
+        full_l, diff_l = layer_params(plan, st, k, kind, i)
         saved = [jax.lax.dynamic_slice(b, (slot, i, 0), (1, 1, b.shape[2])).reshape(a.shape)
                  for b, a in zip(stash["layers"][kind], plan.layer_avals[kind])]
         d_rest, dx, d_tap = pullback(plan, kind, saved, param_leaves(full_l, diff_l))(g)
@@ -403,8 +417,7 @@ def pair(plan, st, x_in, mb, k_f, own, g_head, stash, slot, cot, k_b, g_shared):
         x, embed_f, sh = _embed(plan, st, x_in, tokens, k_f, None)
         g, embed_b = _b_start(plan, st, stash, slot, cot, k_b)
         with _split(plan):
-            f_layer, b_layer = _f_layer(plan, st, k_f, 0, None), _b_layer(plan, stash, slot)
-            stacks_f, stacks_b = kind_stacks(plan, st, k_f), kind_stacks(plan, st, k_b)
+            f_layer, b_layer = _f_layer(plan, st, k_f, 0, None), _b_layer(plan, st, k_b, stash, slot)
             taps = kind_taps(plan) if s.table.split else None
             carry = ((x, own["layers"]), g)
             # kind -> [(what the steps of that kind gave, [R], their layers' indices in the stack [R])]
@@ -425,12 +438,11 @@ def pair(plan, st, x_in, mb, k_f, own, g_head, stash, slot, cot, k_b, g_shared):
                         if kf is not None:
                             j = lines[q][0] + r * lines[q][1]
                             with jax.named_scope("pair_f"):  # (op names that say which action, in profiles and tests)
-                                f_carry, top = f_layer(kf, at(stacks_f[kf], j), None if taps is None else at(taps[kf], j),
-                                                       j, f_carry)
+                                f_carry, top = f_layer(kf, None, None if taps is None else at(taps[kf], j), j, f_carry)
                         if kb is not None:
                             j = lines[len(steps) + q][0] + r * lines[len(steps) + q][1]
                             with jax.named_scope("pair_b"):
-                                g, out = b_layer(kb, at(stacks_b[kb], j), None, j, g)
+                                g, out = b_layer(kb, None, None, j, g)
                         got.append((top, out))
                     return (f_carry, g), got
 
@@ -509,4 +521,5 @@ def accumulate(acc, grads, k):
     over the whole row, reading it twice.)"""
     def add(k_, a, g):
         return jnp.maximum(a, g.astype(jnp.float32)) if fp8.is_history(k_) else a + g.astype(jnp.float32)
-    return {**acc, **{k_: set_row(acc[k_], add(k_, get_row(acc[k_], k), g), k) for k_, g in grads.items()}}
+    with jax.named_scope("accumulate"):  # (op names that say what reads a chunk's row: profiles, tests)
+        return {**acc, **{k_: set_row(acc[k_], add(k_, get_row(acc[k_], k), g), k) for k_, g in grads.items()}}
