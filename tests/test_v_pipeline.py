@@ -152,13 +152,13 @@ def tick_body(schedule, p, m, cfg=None):
     """The compiled tick loop's body of `schedule` on p stages, and the program's computations
     (`_tick_body`), compiled once per module (`cfg`: another model or mesh than `v_cfg`'s)."""
     from jaxpar.mesh import make_mesh
-    from jaxpar.parallel.pipeline.schedules import build as build_schedule
+    from jaxpar.parallel.pipeline.table import schedule_of
     from jaxpar.train.step import lower_step
 
     cfg = v_cfg(schedule, p, m) if cfg is None else cfg
     if cfg not in _TICKS:
         compiled, _ = lower_step(cfg, make_mesh(cfg, jax.devices()[:cfg.mesh.data * p * cfg.mesh.model]))
-        _TICKS[cfg] = _tick_body(compiled.as_text(), build_schedule(schedule, p, m, cfg.parallel.virtual_stages).num_ticks())
+        _TICKS[cfg] = _tick_body(compiled.as_text(), schedule_of(cfg.parallel, p).num_ticks())
     return _TICKS[cfg]
 
 
@@ -204,15 +204,20 @@ def test_the_tick_adds_to_the_vocabulary_sized_gradients_in_place(schedule):
     assert not [c for c in copies if c[1] in (f"f32[{v},{d}]", f"f32[{d},{v}]")], copies
 
 
-@pytest.mark.parametrize("schedule, layers", [("zb_v", 4), ("1f1b", 2)])
-def test_with_one_layer_a_chunk_the_tick_writes_the_stash_in_place(schedule, layers):
+@pytest.mark.parametrize("schedule, layers, remat", [("zb_v", 4, "none"), ("1f1b", 2, "none"), ("zb_v", 4, "dots"),
+                                                    ("1f1b", 2, "full")])
+def test_with_one_layer_a_chunk_the_tick_writes_the_stash_in_place(schedule, layers, remat):
     """With one layer a chunk (zb_v's four chunks of a 4-layer model on two stages, 1f1b's two of a
     2-layer one) XLA inlines the layer loop, and I's write of W's pairs over the residuals it read
     must still come after every read of them: the compiled tick loop's body copies no float
     buffer (a copy there runs on every tick). Before, a norm's gradient, read from a residual and
     needed by no input gradient, was unordered with that write, and XLA copied the residual's
-    stash leaf on every tick (`tick.run_b`)."""
-    cfg = v_cfg(schedule, 2, 4, virtual_stages=2 if schedule == "zb_v" else 1).replace(model={"n_layers": layers})
+    stash leaf on every tick; under `dots` and `full`, W's inputs for the wstash (the MLP's
+    down-projection input, recomputed from the stashed gate and up-projection outputs) were
+    computed inside the stash writes' own fusions, and XLA copied those leaves on every tick until
+    the writes ran in a cond of their own (`tick.run_b`)."""
+    cfg = v_cfg(schedule, 2, 4, virtual_stages=2 if schedule == "zb_v" else 1, remat=remat).replace(
+        model={"n_layers": layers})
     ops, comps = tick_body(schedule, 2, 4, cfg)
     copies = [(n, _shape_of(comps, n)) for n, (op, _) in ops.items() if op == "copy"]
     assert not [c for c in copies if c[1].startswith(("f32", "bf16"))], copies
@@ -444,10 +449,11 @@ def _layer_working_set():
 def test_v_schedules_memory_is_flat_in_m_and_within_their_bounds():
     """Temp memory of the compiled step (p = 4, microbatches of 2 sequences) does not grow from
     m = 8 to 16; zb_v holds at most 1F1B's (its stash: 2p chunk inputs, p stages' worth, measured
-    12.37 MB against 12.68), dualpipe_v at most (2p+1)/(2p) of it (DualPipe's PP+1 chunks against
+    12.28 MB against 12.68), dualpipe_v at most (2p+1)/(2p) of it (DualPipe's PP+1 chunks against
     1F1B's 2p) plus one layer's forward and backward working set (its F&B loop holds F's layer
-    beside B's: 2.0 MB here; measured 14.83 MB, 13.50 with F and B apart; where F writing the
-    stash itself beside B's reads, `tick.tick`, made XLA copy the whole stash: 23.75 MB)."""
+    beside B's: 2.0 MB here; measured 15.76 MB; at an earlier commit 14.83, and 13.50 with F and B
+    apart; where F writing the stash itself beside B's reads, `tick.tick`, made XLA copy the whole
+    stash: 23.75 MB)."""
     one = _temp("1f1b", 8)
     for schedule, bound in (("zb_v", 1.0 * one), ("dualpipe_v", 9 / 8 * one + _layer_working_set())):
         at_8, at_16 = _temp(schedule, 8), _temp(schedule, 16)
@@ -460,8 +466,10 @@ def test_v_schedules_memory_is_flat_in_m_and_within_their_bounds():
 @pytest.mark.parametrize("remat", ["dots", "full"])
 def test_zb_v_under_remat_holds_at_most_1f1b_memory(remat):
     """Under a remat policy W's pairs do not fit in the stash slot, so zb_v defers no W
-    (`table.deferred_w_slots`): at m = 16 its temp memory is at most 1F1B's (measured 10.08 MB
-    against 10.30 under `dots`, 5.45 against 7.11 under `full`; uncapped, 13.23 and 11.76)."""
+    (`table.deferred_w_slots`): at m = 16 its temp memory is at most 1F1B's (measured 8.70 MB
+    against 10.30 under `dots`, 5.12 against 7.11 under `full`; 9.51 and 5.46 while XLA copied the
+    stash leaves I writes over on every tick, `tick.run_b`; uncapped, at an earlier commit, 13.23
+    and 11.76)."""
     from jaxpar.parallel.pipeline.table import deferred_w_slots
 
     assert deferred_w_slots("zb_v", remat) == 0 and deferred_w_slots("zb_v", "none") is None

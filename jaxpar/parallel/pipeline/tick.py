@@ -123,18 +123,31 @@ def run_b(plan, st, r: Row, bwd_buf, acc, bufs, g_shared):
     on every tick would cost more than the matmuls of an idle tick); its gradients accumulated
     here too, and (`split_i`) I's pairs for W written into its stash slot and the wstash, after
     everything I computed from the slot: its input gradient and its small leaves' gradients (norms,
-    biases). Where a chunk has one layer XLA inlines the layer loop, and a norm's gradient, computed
-    from a residual and needed by no input gradient, was read unordered with the pairs' write over
-    that residual's leaf: XLA copied the leaf on every tick (measured: 1f1b, zb_h1 and zb_v with
-    one layer a chunk; with more, the loop orders every read before the write)."""
+    biases), accumulated.
+
+    The writes run in a cond of their own (on I's `valid`, true wherever this runs: a predicate
+    XLA cannot fold), which takes what I computed as operands, so each is a whole buffer before any
+    write starts. Where a chunk has one layer XLA inlines the layer loop and fuses freely: a norm's
+    gradient, read from a residual and needed by no input gradient, was read unordered with the
+    pairs' write over that residual's leaf; under `dots` and `full` the wstash's W inputs (the MLP's
+    down-projection input, recomputed from the stashed gate and up-projection outputs) and the
+    `after` scalar were computed inside the stash writes' fusions, each then reading leaves another
+    one overwrote. Either way XLA copied those leaves on every tick (measured: 1f1b, zb_h1 and
+    zb_v with one layer a chunk; at the CPU benchmark's model, zb_v's step under `dots` held 6.0 MB
+    of temp memory more than 1F1B's; with more layers, the loop orders every read before the
+    write)."""
     cot = get_row(bwd_buf, r.bi_in)
     d_rest, g_shared, dx, d_taps = actions.backward(plan, st, bufs[0], r.bi_stash, cot, r.bi_chunk, g_shared)
     d_taps = _vary_taps(plan, d_taps)
+    acc = actions.accumulate(acc, d_rest, r.bi_chunk)
     if plan.split_i:
         new = {(k_, j): a for k_, xg in d_taps.items() for j, a in enumerate(xg) if a is not None}
-        bufs = write_now(bufs, plan.packing, new, r.i_stash, r.i_wstash, after(dx, *jax.tree.leaves(d_rest)))
+
+        def write(bufs, new, read):
+            return write_now(bufs, plan.packing, new, r.i_stash, r.i_wstash, after(*read))
+        bufs = jax.lax.cond(r.i_valid > 0, write, lambda bufs, new, read: bufs, bufs, new, (dx, *acc.values()))
         d_taps = {}
-    return actions.accumulate(acc, d_rest, r.bi_chunk), g_shared, dx, d_taps, bufs if plan.split_i else ()
+    return acc, g_shared, dx, d_taps, bufs if plan.split_i else ()
 
 
 def no_b(plan, acc, bufs, g_shared):
