@@ -246,6 +246,25 @@ def test_each_layer_reads_its_weights_from_the_stage_parameters(schedule):
                                                         if "/accumulate/" not in ln]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_the_actions_add_to_the_gradient_accumulators_in_place(schedule):
+    """With one chunk a stage (of two layers), B's, I's and W's gradients are added to the float32
+    accumulators [1, layers, ...] in place, a layer's row at a time (`actions.accumulate`): no
+    computation of the compiled program but the entry copies an accumulator-shaped buffer.
+    Before, the add of the chunk's row covered the whole accumulator, XLA made it a plain add into
+    a new buffer, and W's cond copied that into its output: every accumulator W adds to, copied on
+    every W."""
+    from jaxpar import model
+
+    cfg = v_cfg(schedule, 2, 4, virtual_stages=1).replace(model={"n_layers": 4})
+    shapes = {"f32[" + ",".join(str(n) for n in (1, 2, *w.shape[1:])) + "]"
+              for w in jax.tree.leaves(model.param_shapes(cfg.model)["blocks"]) if w.ndim >= 3}
+    _, comps = tick_body(schedule, 2, 4, cfg)
+    copies = [(name, m.group(1)) for name, lines in comps.items() if not name.startswith("main")
+              for ln in lines if (m := re.search(r"= (f32\[[\d,]+\])\S* copy\(", ln)) and m.group(1) in shapes]
+    assert not copies, copies
+
+
 def _paired(comps: dict) -> list:
     """The computations of the compiled program (a loop's body, or the loop unrolled) that run
     both F's and B's layers of DualPipeV's F&B loop (`actions.pair`, named scopes "pair_f" and

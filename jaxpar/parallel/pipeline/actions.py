@@ -515,11 +515,27 @@ def weight_grads(plan, d_taps):
 
 
 def accumulate(acc, grads, k):
-    """`acc[path][k] += grads[path]` in float32, for chunk k's row of each accumulator; an FP8
-    amax history's (`fp8.is_history`) takes the maximum, as `microbatches.add_f32` does. (A
-    dynamic-update-slice of the chunk's row, not `.at[k].add`: XLA lowers that scatter to a select
-    over the whole row, reading it twice.)"""
+    """`acc[path][k] += grads[path]` in float32, for chunk k's row of each accumulator ([v, layers
+    per chunk, ...]; `grads[path]`: [layers per chunk, ...]); an FP8 amax history's
+    (`fp8.is_history`) takes the maximum, as `microbatches.add_f32` does.
+
+    A dynamic-update-slice of a part of the accumulator, reading only that part, so that XLA
+    updates it in place: the chunk's row where the stage has several chunks, else one per layer's
+    row. Not `.at[k].add` (XLA lowers that scatter to a select over the whole row, reading it
+    twice), and not the chunk's row with one chunk a stage: that covers the whole accumulator, XLA
+    made it a plain add into a new buffer, and W's cond copied that into its output, every
+    accumulator W adds to on every W (measured: `1f1b`, `zb_h1`). (With one chunk of one layer a
+    stage the row is still the whole buffer.)"""
     def add(k_, a, g):
         return jnp.maximum(a, g.astype(jnp.float32)) if fp8.is_history(k_) else a + g.astype(jnp.float32)
-    with jax.named_scope("accumulate"):  # (op names that say what reads a chunk's row: profiles, tests)
-        return {**acc, **{k_: set_row(acc[k_], add(k_, get_row(acc[k_], k), g), k) for k_, g in grads.items()}}
+
+    def rows(a, k_, g):
+        if a.shape[0] > 1 or g.shape[0] == 1:
+            return set_row(a, add(k_, get_row(a, k), g), k)
+        for j in range(g.shape[0]):
+            start = (k, j) + (0,) * (a.ndim - 2)
+            row = jax.lax.dynamic_slice(a, start, (1, 1, *a.shape[2:]))
+            a = jax.lax.dynamic_update_slice(a, add(k_, row, g[j][None, None]), start)
+        return a
+    with jax.named_scope("accumulate"):  # (op names that say what reads an accumulator's row: profiles, tests)
+        return {**acc, **{k_: rows(acc[k_], k_, g) for k_, g in grads.items()}}
